@@ -1,0 +1,9 @@
+"""lit_fsdp: train Hugging Face causal LMs with PyTorch FSDP2 under Lightning."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lit_fsdp.strategy import FSDP2Strategy
+
+FSDP2Strategy.register_strategies(StrategyRegistry)
+
+__all__ = ["FSDP2Strategy"]

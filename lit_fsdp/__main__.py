@@ -1,0 +1,31 @@
+"""Entry point: ``python -m lit_fsdp`` (or ``lit-fsdp``) with fit/validate/test/predict, or ``export``."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["export"]:
+            from jsonargparse import auto_cli
+
+            from lit_fsdp.export import export_hf
+
+            auto_cli(export_hf, args=argv[1:])
+        else:
+            from lit_fsdp.cli import run
+
+            run(argv)
+    except (ValueError, FileNotFoundError) as error:
+        if os.environ.get("LIT_FSDP_TRACEBACK"):
+            raise
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"lit_fsdp: error: {message} (LIT_FSDP_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""``python -m lit_fsdp fit|validate|test|predict``: LightningCLI over CausalLM, our DataModules and FSDP2Strategy."""
+
+from __future__ import annotations
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from lit_fsdp.data.blocks import BlockDataModule
+from lit_fsdp.model import CausalLM
+from lit_fsdp.strategy import FSDP2Strategy
+
+TRAINER_DEFAULTS = {
+    "strategy": {"class_path": "lit_fsdp.strategy.FSDP2Strategy"},
+    "max_steps": 200,
+    "val_check_interval": 100,
+    "limit_val_batches": 8,
+    "log_every_n_steps": 10,
+}
+
+
+class LitFsdpCLI(LightningCLI):
+    """LightningCLI with our defaults and checks that run before any worker process starts."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.set_defaults({"data": {"class_path": "lit_fsdp.data.synthetic.SyntheticDataModule"}})
+
+    def _preflight(self) -> None:
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, FSDP2Strategy):
+            raise ValueError(
+                f"--trainer.strategy is {type(strategy).__name__}; lit_fsdp models are built on the meta device "
+                "and need lit_fsdp.strategy.FSDP2Strategy (the default): remove the --trainer.strategy override"
+            )
+        strategy.mesh_shape(self.trainer.num_nodes * self.trainer.num_devices, self.trainer.num_nodes)
+
+    before_fit = before_validate = before_test = before_predict = _preflight
+
+
+def run(args: list[str] | None = None) -> LitFsdpCLI:
+    return LitFsdpCLI(
+        CausalLM,
+        BlockDataModule,
+        subclass_mode_data=True,
+        trainer_defaults=TRAINER_DEFAULTS,
+        seed_everything_default=1234,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )

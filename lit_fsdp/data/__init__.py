@@ -1,0 +1,1 @@
+"""Data sources: synthetic Markov text and Wikipedia-format JSON, both as fixed-length token blocks."""

@@ -1,0 +1,163 @@
+"""Fixed-length token blocks, a resumable per-rank sampler, and the DataModule base they share.
+
+Every data source in lit_fsdp ends as a flat stream of token ids cut into blocks of ``seq_len + 1``
+tokens (inputs are the first ``seq_len``, labels the last ``seq_len``). Global batch ``j`` is the same
+set of blocks whatever the world size, so 1 and N processes see the same data per optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class TokenBlocks(Dataset):
+    """Blocks ``[i * seq_len, (i + 1) * seq_len + 1)`` of a 1-D token array (memory-mapped or in memory)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, first_block: int = 0, num_blocks: int | None = None):
+        available = (len(tokens) - 1) // seq_len
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.first_block = first_block
+        self.num_blocks = available - first_block if num_blocks is None else num_blocks
+        if self.num_blocks <= 0 or first_block + self.num_blocks > available:
+            raise ValueError(
+                f"{len(tokens)} tokens hold {available} blocks of seq_len={seq_len}, too few for blocks "
+                f"[{first_block}, {first_block + max(self.num_blocks, 1)}); use a shorter --data.seq_len or more data"
+            )
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        start = (self.first_block + index) * self.seq_len
+        block = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        return {"input_ids": block[:-1], "labels": block[1:]}
+
+
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` that can start part-way into an epoch.
+
+    Rank ``r`` takes every ``world``-th index of a seeded per-epoch permutation, so a local batch of
+    ``b`` on each of ``world`` ranks covers exactly the same ``b * world`` blocks as one process with a
+    batch of ``b * world``. ``start`` skips the first local samples of the epoch given to ``resume``.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, shuffle: bool = True):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.start = 0
+        self._resume_epoch: int | None = None
+
+    def resume(self, epoch: int, start: int) -> None:
+        self.epoch, self.start, self._resume_epoch = epoch, start, epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self._resume_epoch:
+            self.start = 0
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self.start :])
+
+
+class BlockDataModule(pl.LightningDataModule):
+    """Shared loaders and exact resume for block datasets; subclasses build ``train_set`` / ``val_set``.
+
+    The position in the training stream is counted from the batches the trainer actually consumed
+    (not those a loader prefetched) and saved in every checkpoint, so a resumed run neither replays
+    nor skips a batch.
+    """
+
+    #: set by subclasses in ``setup``
+    train_set: Dataset
+    val_set: Dataset
+    vocab_size: int
+
+    def __init__(self, seq_len: int, batch_size: int, seed: int, num_workers: int):
+        super().__init__()
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be positive, got seq_len={seq_len}, batch_size={batch_size}")
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self._epoch = 0
+        self._consumed = 0  # local batches consumed by training in epoch ``_epoch``
+        self._resume: tuple[int, int] | None = None
+
+    @property
+    def tokenizer(self) -> Any | None:
+        """The Hugging Face tokenizer of this data, if it has one (exported with the model)."""
+        return None
+
+    @property
+    def dataset_name(self) -> str:
+        return type(self).__name__
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 1, 0
+        return trainer.world_size, trainer.global_rank
+
+    def _loader(self, dataset: Dataset, shuffle: bool, resume: tuple[int, int] | None) -> DataLoader:
+        world, rank = self._world()
+        if len(dataset) < world * self.batch_size:
+            raise ValueError(
+                f"{self.dataset_name}: {len(dataset)} blocks cannot fill one batch of {self.batch_size} on {world} "
+                f"processes; lower --data.batch_size or --data.seq_len, or add data"
+            )
+        sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, seed=self.seed, shuffle=shuffle)
+        if resume is not None:
+            epoch, consumed = resume
+            sampler.resume(epoch, consumed * self.batch_size)
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True, resume=self._resume)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False, resume=None)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = self.trainer
+        if trainer is not None and trainer.training:
+            if trainer.current_epoch != self._epoch:
+                self._epoch, self._consumed = trainer.current_epoch, 0
+            self._consumed += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "consumed_batches": self._consumed, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._epoch, self._consumed = state_dict["epoch"], state_dict["consumed_batches"]
+        saved = state_dict.get("batch_size", self.batch_size)
+        if saved != self.batch_size:
+            raise ValueError(
+                f"the checkpoint was trained with --data.batch_size {saved}, not {self.batch_size}; "
+                "resume with the same batch size to keep the data position exact"
+            )
+        self._resume = (self._epoch, self._consumed)
+
+
+def blocks_per_split(total_blocks: int, val_fraction: float) -> tuple[int, int]:
+    """Train and validation block counts for a deterministic tail split (at least one of each)."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    num_val = max(1, math.ceil(total_blocks * val_fraction))
+    return total_blocks - num_val, num_val

@@ -1,0 +1,58 @@
+"""Export a lit_fsdp checkpoint (sharded folder or full file) to a Hugging Face model folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+_MODEL_PREFIX = "model."  # CausalLM keeps the network in `self.model`
+
+
+def read_metadata(checkpoint: Path) -> dict[str, Any]:
+    """Everything but the weights: loop state, hyperparameters, ``hf_config``, ``tokenizer_path``."""
+    meta = torch.load(checkpoint / _METADATA_FILENAME if checkpoint.is_dir() else checkpoint, map_location="cpu", weights_only=False)
+    meta.pop("state_dict", None)
+    meta.pop("optimizer_states", None)
+    return meta
+
+
+def load_weights(checkpoint: Path, model: torch.nn.Module) -> None:
+    """Fill ``model`` (built on CPU) with the network weights of a checkpoint."""
+    if checkpoint.is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        # Only the model's keys are requested, so the optimizer shards are never read.
+        state = {"state_dict": {_MODEL_PREFIX + k: v for k, v in model.state_dict().items()}}
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+        return
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    model.load_state_dict({k[len(_MODEL_PREFIX) :]: v for k, v in saved.items() if k.startswith(_MODEL_PREFIX)})
+
+
+def export_hf(checkpoint: str, output: str, tokenizer_path: str | None = None) -> Path:
+    """Write a Hugging Face folder (config.json + model.safetensors [+ tokenizer]) from a lit_fsdp checkpoint.
+
+    Args:
+        checkpoint: A checkpoint written by ``fit`` (a sharded folder or a single .ckpt file).
+        output: Folder to write; ``AutoModelForCausalLM.from_pretrained(output)`` loads it.
+        tokenizer_path: Tokenizer folder to copy along; default: the one the run trained with, if any.
+    """
+    source = Path(checkpoint)
+    if not source.exists():
+        raise FileNotFoundError(f"checkpoint {source} does not exist; pass a .ckpt file or folder written by fit")
+    meta = read_metadata(source)
+    if "hf_config" not in meta:
+        raise ValueError(f"{source} holds no hf_config: it was not written by lit_fsdp's CausalLM")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**meta["hf_config"]))
+    load_weights(source, model)
+    out = Path(output)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer_path = tokenizer_path or meta.get("tokenizer_path")
+    if tokenizer_path and Path(tokenizer_path).is_dir():
+        AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(out)
+    print(f"exported {source} to {out}")
+    return out

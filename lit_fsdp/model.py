@@ -1,0 +1,179 @@
+"""The LightningModule: a Hugging Face causal LM with next-token loss, AdamW and a warm-up + cosine schedule."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torchmetrics.aggregation import MeanMetric
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from lit_fsdp.presets import build_config
+from lit_fsdp.weights import init_by_unit, load_by_shard, parameters_on_meta
+
+try:  # transformers >= 5
+    from transformers.initialization import no_init_weights
+except ImportError:  # transformers 4.x
+    from transformers.modeling_utils import no_init_weights
+
+
+class CausalLM(pl.LightningModule):
+    """A causal language model from a named preset or a local Hugging Face folder, trained from scratch or fine-tuned."""
+
+    def __init__(
+        self,
+        preset: str = "gpt2-tiny",
+        pretrained_path: str | None = None,
+        config_overrides: dict[str, Any] | None = None,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+    ):
+        """
+        Args:
+            preset: Model shape from ``lit_fsdp.presets`` (random init): gpt2-tiny, gpt2-small, gpt2-124m,
+                llama-tiny, llama-1b. Ignored when ``pretrained_path`` is set.
+            pretrained_path: Local Hugging Face model folder (config.json + safetensors) to start from.
+            config_overrides: Hugging Face config fields to change, e.g. ``{n_layer: 6}``.
+            learning_rate: Peak AdamW learning rate.
+            weight_decay: AdamW weight decay, applied to matrices and embeddings only.
+            betas: AdamW betas.
+            warmup_steps: Linear warm-up steps before the cosine decay.
+            min_lr_ratio: Final learning rate as a fraction of the peak.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        if pretrained_path is not None:
+            if not (Path(pretrained_path) / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"--model.pretrained_path {pretrained_path} has no config.json; give a folder written by save_pretrained"
+                )
+        else:
+            build_config(preset, config_overrides)  # fail on an unknown preset before any process starts
+        self.model: torch.nn.Module | None = None
+        self.val_loss = MeanMetric()
+        self._init_seed = 0
+
+    # --- model -----------------------------------------------------------------------------------
+
+    def hf_config(self) -> PretrainedConfig:
+        """The Hugging Face config this module builds, with the data's vocabulary size when it has one."""
+        hp = self.hparams
+        if hp.pretrained_path is not None:
+            config = AutoConfig.from_pretrained(hp.pretrained_path, local_files_only=True)
+            for key, value in (hp.config_overrides or {}).items():
+                setattr(config, key, value)
+            return config
+        overrides = dict(hp.config_overrides or {})
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if getattr(datamodule, "vocab_size", None) and "vocab_size" not in overrides:
+            overrides["vocab_size"] = datamodule.vocab_size
+        return build_config(hp.preset, overrides)
+
+    def configure_model(self) -> None:
+        """Build the network with its parameters on the meta device; the strategy shards and fills them."""
+        if self.model is not None:
+            return
+        config = self.hf_config()
+        with parameters_on_meta(), no_init_weights():
+            self.model = AutoModelForCausalLM.from_config(config)
+        self.model.config.use_cache = False
+        self._init_seed = torch.initial_seed()
+
+    def initialize_weights(self, blocks: list[tuple[str, torch.nn.Module]]) -> None:
+        """Write initial values into the sharded parameters: pretrained rows or a seeded random init."""
+        assert self.model is not None
+        if self.hparams.pretrained_path is not None:
+            load_by_shard(self.model, self.hparams.pretrained_path)
+        else:
+            init_by_unit(self.model, blocks, self.model._init_weights, self._init_seed)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+    # --- steps -----------------------------------------------------------------------------------
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self(batch["input_ids"])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+
+    def on_fit_start(self) -> None:
+        entropy_rate = getattr(self.trainer.datamodule, "entropy_rate", None)
+        if entropy_rate is not None:
+            for logger in self.loggers:
+                logger.log_metrics({"data/entropy_rate": entropy_rate}, step=0)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.val_loss.update(self._loss(batch), weight=batch["labels"].numel())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        # compute() already reduced across ranks; sync_dist only silences Lightning's warning.
+        self.log_dict({"val/loss": loss, "val/ppl": torch.exp(loss)}, prog_bar=True, sync_dist=True)
+
+    # --- optimisation ----------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+        )
+        # max_steps avoids estimated_stepping_batches, which would build the train loader before a resume.
+        total = self.trainer.max_steps if self.trainer.max_steps > 0 else self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, int(total), hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        if not gradient_clip_val:
+            return
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(f"--trainer.gradient_clip_algorithm {gradient_clip_algorithm} is not supported; use norm")
+        norm = clip_grad_norm_(self.model.parameters(), gradient_clip_val)
+        self.log("train/grad_norm", norm, sync_dist=False)
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Enough to rebuild the network without this code's defaults: used by `lit_fsdp export`.
+        checkpoint["hf_config"] = self.model.config.to_dict()
+        tokenizer = getattr(getattr(self._trainer, "datamodule", None), "tokenizer", None)
+        checkpoint["tokenizer_path"] = getattr(tokenizer, "name_or_path", None)
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Learning-rate multiplier: linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
+    """Clip by the global gradient norm; with FSDP2 the norm of sharded gradients is reduced across ranks."""
+    params = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

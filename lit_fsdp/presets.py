@@ -1,0 +1,42 @@
+"""Named model shapes, built from Hugging Face configs with random weights (nothing is downloaded)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+# Dropout is off everywhere: runs are then reproducible step for step, and modern LM pre-training
+# does without it. ``vocab_size`` is replaced by the data's vocabulary when the data has one.
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2-tiny": dict(
+        model_type="gpt2", n_layer=2, n_head=2, n_embd=64, n_positions=512, vocab_size=512,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    ),
+    "gpt2-small": dict(
+        model_type="gpt2", n_layer=4, n_head=4, n_embd=256, n_positions=1024, vocab_size=8192,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    ),
+    "gpt2-124m": dict(
+        model_type="gpt2", n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    ),
+    "llama-tiny": dict(
+        model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, vocab_size=512, tie_word_embeddings=True,
+    ),
+    # The shape of Llama 3.2 1B: 1.24e9 parameters with its 128k vocabulary.
+    "llama-1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, vocab_size=128256,
+        rope_theta=500000.0, tie_word_embeddings=True,
+    ),
+}
+
+
+def build_config(preset: str, overrides: dict[str, Any] | None = None) -> PretrainedConfig:
+    """The Hugging Face config of ``preset`` with ``overrides`` applied."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)} or set --model.pretrained_path")
+    values = {**PRESETS[preset], **(overrides or {})}
+    return AutoConfig.for_model(**values)

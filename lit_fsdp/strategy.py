@@ -1,0 +1,202 @@
+"""``FSDP2Strategy``: Lightning's model-parallel strategy life cycle, with FSDP2 applied by the strategy itself.
+
+``setup_environment`` builds the process group and the device mesh, ``setup`` shards, materialises
+and initialises the model and then builds the optimizer on the sharded parameters; checkpoints are
+sharded (torch.distributed.checkpoint) or one full file, as Lightning's ``ModelParallelStrategy``
+writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Literal, Protocol, runtime_checkable
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from lit_fsdp.parallelize import ShardingPlan, parallelize
+from lit_fsdp.weights import materialize
+
+Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@runtime_checkable
+class GradientCommHook(Protocol):
+    """Anything that changes how an FSDP2 module communicates gradients (e.g. compression)."""
+
+    def register(self, module: FSDPModule, mesh: DeviceMesh) -> None:
+        """Install the hook on one FSDP module (``set_custom_reduce_scatter``, all-reduce hooks, ...)."""
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Fully sharded data parallel (FSDP2, ``fully_shard``) for Hugging Face causal LMs."""
+
+    strategy_name = "lit_fsdp"
+
+    def __init__(
+        self,
+        sharding: Sharding = "FULL_SHARD",
+        replicate_size: int | None = None,
+        block_class: str | None = None,
+        blocks_per_group: int = 1,
+        param_dtype: DType = "auto",
+        reduce_dtype: DType = "float32",
+        activation_checkpointing: int = 0,
+        compile_blocks: bool = False,
+        prefetch: int = 0,
+        comm_hook: GradientCommHook | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ):
+        """
+        Args:
+            sharding: FULL_SHARD (params, grads and optimizer state sharded; params re-gathered in backward),
+                SHARD_GRAD_OP (params stay gathered between forward and backward), NO_SHARD (replicated, like DDP),
+                HYBRID_SHARD (replicated across ``replicate_size`` groups, sharded within each).
+            replicate_size: Replica groups for HYBRID_SHARD; must divide the world size. Default: the number of nodes.
+            block_class: Class name of the transformer block to wrap; default: the model's ``_no_split_modules``.
+            blocks_per_group: Consecutive blocks sharded as one FSDP unit (fewer, larger collectives).
+            param_dtype: Dtype of parameters in forward and backward; ``auto`` is bfloat16 on GPUs that support it,
+                else float32. Master weights and optimizer state stay float32.
+            reduce_dtype: Dtype of gradient reduction; ``auto`` follows ``param_dtype``.
+            activation_checkpointing: Recompute activations of every k-th block in backward; 0 turns it off,
+                1 checkpoints every block.
+            compile_blocks: ``torch.compile`` each block.
+            prefetch: Units whose parameters are gathered ahead, in forward and backward; 0 leaves FSDP2's
+                implicit one-ahead schedule.
+            comm_hook: Gradient communication hook registered on every FSDP module (e.g. compression).
+            save_distributed_checkpoint: Sharded checkpoint folder (one file per rank); False writes one full file.
+            process_group_backend: ``gloo`` or ``nccl``; default from the device.
+            timeout: Collective timeout.
+        """
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size="auto",
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if blocks_per_group < 1 or activation_checkpointing < 0 or prefetch < 0:
+            raise ValueError(
+                f"blocks_per_group must be >= 1 and activation_checkpointing, prefetch >= 0; got "
+                f"{blocks_per_group}, {activation_checkpointing}, {prefetch}"
+            )
+        if replicate_size is not None and (replicate_size < 1 or sharding != "HYBRID_SHARD"):
+            raise ValueError(f"replicate_size={replicate_size} needs sharding=HYBRID_SHARD and a value >= 1")
+        self.sharding = sharding
+        self.replicate_size = replicate_size
+        self.block_class = block_class
+        self.blocks_per_group = blocks_per_group
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.activation_checkpointing = activation_checkpointing
+        self.compile_blocks = compile_blocks
+        self.prefetch = prefetch
+        self.comm_hook = comm_hook
+        self.fsdp_modules: list[FSDPModule] = []
+
+    # --- mesh ------------------------------------------------------------------------------------
+
+    def mesh_shape(self, world_size: int, num_nodes: int) -> tuple[int, ...]:
+        """(shard,) for FULL_SHARD / SHARD_GRAD_OP, (replicate, shard) for NO_SHARD / HYBRID_SHARD."""
+        if self.sharding == "NO_SHARD":
+            return (world_size, 1)
+        if self.sharding == "HYBRID_SHARD":
+            replicas = self.replicate_size or num_nodes
+            if world_size % replicas:
+                raise ValueError(
+                    f"HYBRID_SHARD: replicate_size={replicas} does not divide the world size {world_size}; "
+                    f"set --trainer.strategy.init_args.replicate_size to a divisor of {world_size}"
+                )
+            return (replicas, world_size // replicas)
+        return (world_size,)
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        shape = self.mesh_shape(self.world_size, self.num_nodes)
+        names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Every rank is a data-parallel rank: there is no tensor parallelism here.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # --- model -----------------------------------------------------------------------------------
+
+    def resolve_dtype(self, name: DType, fallback: torch.dtype | None = None) -> torch.dtype:
+        if name == "auto":
+            if fallback is not None:
+                return fallback
+            cuda_bf16 = self.root_device.type == "cuda" and torch.cuda.is_bf16_supported()
+            return torch.bfloat16 if cuda_bf16 else torch.float32
+        return getattr(torch, name)
+
+    def sharding_plan(self) -> ShardingPlan:
+        param_dtype = self.resolve_dtype(self.param_dtype)
+        return ShardingPlan(
+            mesh=self.device_mesh,
+            reshard_after_forward=self.sharding in ("FULL_SHARD", "HYBRID_SHARD"),
+            param_dtype=param_dtype,
+            reduce_dtype=self.resolve_dtype(self.reduce_dtype, fallback=param_dtype),
+            block_class=self.block_class,
+            blocks_per_group=self.blocks_per_group,
+            checkpoint_every=self.activation_checkpointing,
+            compile_blocks=self.compile_blocks,
+            prefetch=self.prefetch,
+        )
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        network = getattr(module, "model", None)
+        if not isinstance(network, torch.nn.Module) or not hasattr(module, "initialize_weights"):
+            raise TypeError(
+                f"{type(self).__name__} shards `LightningModule.model` and fills it with "
+                "`LightningModule.initialize_weights(blocks)`; lit_fsdp.CausalLM provides both"
+            )
+        if trainer.precision not in ("32-true", "32"):
+            raise ValueError(
+                f"--trainer.precision {trainer.precision} is not used with FSDP2; leave it at 32-true and set "
+                "--trainer.strategy.init_args.param_dtype bfloat16 instead"
+            )
+        if not isinstance(network, FSDPModule):  # validate/test after fit reuse the sharded model
+            blocks, self.fsdp_modules = parallelize(network, self.sharding_plan())
+            materialize(network, self.root_device)
+            module.initialize_weights(blocks)
+            if self.comm_hook is not None:
+                for fsdp_module in self.fsdp_modules:
+                    self.comm_hook.register(fsdp_module, self.device_mesh)
+        module.to(self.root_device)  # metrics and any other state outside the network
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self.setup_precision_plugin()
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip gradient reduction on micro-batches that do not end an accumulation window."""
+        for fsdp_module in self.fsdp_modules:
+            fsdp_module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for fsdp_module in self.fsdp_modules:
+                fsdp_module.set_requires_gradient_sync(True, recurse=False)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: dict) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="FSDP2 for Hugging Face causal LMs (lit_fsdp)")

@@ -1,0 +1,153 @@
+"""Building a model without memory, then filling its shards: random init or a local pretrained folder.
+
+The model is built with its parameters on the meta device (buffers stay real, they are small and
+often computed, like rotary frequencies). After ``fully_shard`` each rank allocates only its shard;
+values are then written shard by shard, so no rank ever holds more than one FSDP unit in full.
+Random init is seeded per unit name, which makes the weights independent of the world size and of
+the wrapping: 1 and N processes start from the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+# Wrappers that FSDP2, activation checkpointing and torch.compile add to parameter names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as Hugging Face saves it, without wrapper prefixes."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create every ``nn.Parameter`` on the meta device while the context is open; buffers stay real."""
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialised) storage for meta parameters on ``device``, keeping buffer values."""
+    buffers = {name: buf.detach().to(device, copy=True) for name, buf in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name])
+
+
+def shard_rows(param: torch.Tensor) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of the full parameter that this rank holds (``torch.chunk`` on dim 0)."""
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0] if param.dim() else 0
+    start, stop = 0, param.shape[0]
+    coordinate = param.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_shard():
+            if placement.dim != 0:
+                raise NotImplementedError(f"only dim-0 sharding is supported, got {placement}")
+            length = stop - start
+            size = math.ceil(length / param.device_mesh.size(mesh_dim))
+            start = min(stop, start + coordinate[mesh_dim] * size)
+            stop = min(stop, start + size)
+    return start, stop
+
+
+def write_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's rows of ``full`` (a CPU tensor of the parameter's global shape) into ``param``."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if full.dim() == 0:
+        local.copy_(full)
+        return
+    start, stop = shard_rows(param)
+    local.copy_(full[start:stop])
+
+
+def init_by_unit(
+    model: nn.Module, units: list[tuple[str, nn.Module]], init_module: Callable[[nn.Module], None], seed: int
+) -> None:
+    """Initialise every parameter with ``init_module`` applied unit by unit on full CPU copies.
+
+    ``units`` are the wrapped blocks; the remaining modules that own parameters become units of
+    their own. Each unit is seeded from ``seed`` and its name, then its rows are copied to the shards.
+    """
+    in_blocks = {id(m) for _, block in units for m in block.modules()}
+    # (name, module whose parameters are swapped, the modules init_module is applied to)
+    work = [(name, list(block.modules())) for name, block in units] + [
+        (name, [module])
+        for name, module in model.named_modules()
+        if id(module) not in in_blocks and any(True for _ in module.parameters(recurse=False))
+    ]
+    done: set[int] = set()
+    with torch.no_grad():
+        for unit_name, modules in work:
+            owners = [(m, pname, param) for m in modules for pname, param in m.named_parameters(recurse=False)]
+            for module, pname, param in owners:
+                module._parameters[pname] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype))
+            torch.manual_seed(seed + zlib.crc32(clean_name(unit_name).encode()))
+            for module in reversed(modules):  # children before parents, as nn.Module.apply does
+                init_module(module)
+            for module, pname, param in owners:
+                full = module._parameters[pname].data
+                module._parameters[pname] = param
+                if id(param) not in done:  # a tied parameter keeps the values of its first owner
+                    write_shard(param, full)
+                    done.add(id(param))
+
+
+def load_by_shard(model: nn.Module, folder: str | Path) -> None:
+    """Fill every parameter from the safetensors files of a Hugging Face folder, reading only local rows."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+    elif (folder / "model.safetensors").is_file():
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            weight_map = {key: "model.safetensors" for key in f.keys()}
+    else:
+        raise FileNotFoundError(
+            f"no model.safetensors or model.safetensors.index.json in {folder}; "
+            "save the model with save_pretrained(..., safe_serialization=True)"
+        )
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    handles: dict[str, object] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = clean_name(name)
+            if key not in weight_map and key.startswith(prefix) and key[len(prefix) :] in weight_map:
+                key = key[len(prefix) :]
+            if key not in weight_map:
+                raise ValueError(f"{folder} has no weight for parameter {key!r}; is it the same architecture?")
+            file = weight_map[key]
+            if file not in handles:
+                handles[file] = safe_open(str(folder / file), framework="pt")
+            tensor_slice = handles[file].get_slice(key)  # type: ignore[attr-defined]
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if param.dim() == 0:
+                local.copy_(tensor_slice[...])
+            else:
+                start, stop = shard_rows(param)
+                local.copy_(tensor_slice[start:stop].to(local.dtype))

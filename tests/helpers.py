@@ -1,0 +1,59 @@
+"""Running the real CLI in a subprocess and reading what it logged."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A few steps of a tiny model, logged every step to CSV, no progress bar, no validation.
+FAST = [
+    "--config", str(REPO / "configs" / "quickstart.yaml"),
+    "--trainer.limit_val_batches", "0",
+    "--trainer.log_every_n_steps", "1",
+    "--trainer.enable_progress_bar", "false",
+    "--trainer.enable_model_summary", "false",
+    "--model.warmup_steps", "2",
+]
+
+
+def run_cli(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m lit_fsdp *args`` in ``cwd``; with ``check``, fail the test with its output on error."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lit_fsdp", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"lit_fsdp {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return result
+
+
+def fit(tmp: Path, *args: str, devices: int = 2, batch_size: int = 2, steps: int = 6) -> dict[str, list[float]]:
+    """A short fit logged to ``tmp``; returns each logged metric as a list over steps."""
+    run_cli(
+        "fit", *FAST,
+        "--trainer.devices", str(devices),
+        "--data.batch_size", str(batch_size),
+        "--trainer.max_steps", str(steps),
+        "--trainer.default_root_dir", str(tmp),
+        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir", str(tmp),
+        *args,
+        cwd=tmp,
+    )
+    return read_metrics(max(tmp.glob("lightning_logs/version_*/metrics.csv")))
+
+
+def read_metrics(path: Path) -> dict[str, list[float]]:
+    """Per-step values of each metric in a CSVLogger file (rows without the metric skipped)."""
+    metrics: dict[str, dict[int, float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if value and key not in ("step", "epoch"):
+                    metrics.setdefault(key, {})[int(row["step"])] = float(value)
+    return {key: [by_step[s] for s in sorted(by_step)] for key, by_step in metrics.items()}

@@ -1,0 +1,76 @@
+"""Callbacks and hooks that tests load into real `python -m lit_fsdp` runs (the spawned ranks import them too)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+
+class RecordBatches(pl.Callback):
+    """Appends ``{step, rank, digest}`` of every trained micro-batch to ``<path>.rank<r>.jsonl``."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        digest = hashlib.sha1(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
+        with open(f"{self.path}.rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "digest": digest}) + "\n")
+
+
+class StopAtStep(pl.Callback):
+    """Ends fit after ``step`` optimizer steps, as a killed job would, with max_steps unchanged."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+class SaveLogits(pl.Callback):
+    """At the end of fit, rank 0 saves the logits of a fixed input to ``path`` (all ranks run the forward)."""
+
+    def __init__(self, path: str, seq_len: int = 16):
+        self.path = path
+        self.seq_len = seq_len
+
+    def on_train_end(self, trainer, pl_module):
+        vocab = pl_module.model.config.vocab_size
+        input_ids = torch.arange(self.seq_len, device=pl_module.device).unsqueeze(0) % vocab
+        with torch.no_grad():
+            logits = pl_module(input_ids)
+        if trainer.global_rank == 0:
+            torch.save({"input_ids": input_ids.cpu(), "logits": logits.float().cpu()}, self.path)
+
+
+class CountingReduceScatter(ReduceScatter):
+    """The default reduce-scatter that also appends one line per call to ``<path>.rank<r>``."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        with open(f"{self.path}.rank{dist.get_rank()}", "a") as f:
+            f.write(f"{input_tensor.numel()}\n")
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+class CountReduceScatters:
+    """A ``comm_hook`` for FSDP2Strategy: counts every gradient reduce-scatter of every FSDP module."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def register(self, module: FSDPModule, mesh: DeviceMesh) -> None:
+        module.set_custom_reduce_scatter(CountingReduceScatter(self.path))
