@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_fsdp.data.blocks import BlockDataModule
@@ -31,6 +34,10 @@ class LitFsdpCLI(LightningCLI):
                 "and need lit_fsdp.strategy.FSDP2Strategy (the default): remove the --trainer.strategy override"
             )
         strategy.mesh_shape(self.trainer.num_nodes * self.trainer.num_devices, self.trainer.num_nodes)
+        # A fixed checkpoint folder (not one per logger version) is what makes `--ckpt_path last` find it.
+        for callback in self.trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = os.path.realpath(os.path.join(self.trainer.default_root_dir, "checkpoints"))
 
     before_fit = before_validate = before_test = before_predict = _preflight
 

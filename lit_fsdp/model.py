@@ -71,11 +71,13 @@ class CausalLM(pl.LightningModule):
             for key, value in (hp.config_overrides or {}).items():
                 setattr(config, key, value)
             return config
-        overrides = dict(hp.config_overrides or {})
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if getattr(datamodule, "vocab_size", None) and "vocab_size" not in overrides:
-            overrides["vocab_size"] = datamodule.vocab_size
-        return build_config(hp.preset, overrides)
+        overrides = {}
+        if getattr(datamodule, "vocab_size", None):
+            # The preset's special token ids belong to its own vocabulary: take the data's (or none).
+            eos = getattr(datamodule.tokenizer, "eos_token_id", None)
+            overrides = {"vocab_size": datamodule.vocab_size, "bos_token_id": eos, "eos_token_id": eos}
+        return build_config(hp.preset, {**overrides, **(hp.config_overrides or {})})
 
     def configure_model(self) -> None:
         """Build the network with its parameters on the meta device; the strategy shards and fills them."""
@@ -84,6 +86,7 @@ class CausalLM(pl.LightningModule):
         config = self.hf_config()
         with parameters_on_meta(), no_init_weights():
             self.model = AutoModelForCausalLM.from_config(config)
+        self.model.tie_weights()  # no_init_weights also skips the tying that init_weights does
         self.model.config.use_cache = False
         self._init_seed = torch.initial_seed()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -32,10 +33,18 @@ def run_cli(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedPr
     return result
 
 
-def fit(tmp: Path, *args: str, devices: int = 2, batch_size: int = 2, steps: int = 6) -> dict[str, list[float]]:
-    """A short fit logged to ``tmp``; returns each logged metric as a list over steps."""
+def fit(
+    tmp: Path, *args: str, devices: int = 2, batch_size: int = 2, steps: int = 6, callbacks: list[dict] | None = None
+) -> dict[str, list[float]]:
+    """A short fit logged to ``tmp``; returns each logged metric as a list over steps.
+
+    ``callbacks`` (``{"class_path": ..., "init_args": ...}`` dicts) replace the config's callbacks.
+    """
+    tmp.mkdir(parents=True, exist_ok=True)
+    extra_config = tmp / f"callbacks{len(list(tmp.glob('callbacks*.yaml')))}.yaml"
+    extra_config.write_text(json.dumps({"trainer": {"callbacks": callbacks or []}}))
     run_cli(
-        "fit", *FAST,
+        "fit", *FAST, "--config", str(extra_config),
         "--trainer.devices", str(devices),
         "--data.batch_size", str(batch_size),
         "--trainer.max_steps", str(steps),
