@@ -6,15 +6,22 @@ import os
 import sys
 
 
+def root_cause(error: BaseException) -> BaseException:
+    """The first error raised: jsonargparse wraps errors from constructors in its own."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    args = sys.argv[1:] if argv is None else argv
     try:
-        if argv[:1] == ["export"]:
+        if args[:1] == ["export"]:
             from jsonargparse import auto_cli
 
             from lit_fsdp.export import export_hf
 
-            auto_cli(export_hf, args=argv[1:])
+            auto_cli(export_hf, args=args[1:])
         else:
             from lit_fsdp.cli import run
 
@@ -22,8 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as error:
         if os.environ.get("LIT_FSDP_TRACEBACK"):
             raise
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(f"lit_fsdp: error: {message} (LIT_FSDP_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        message = str(root_cause(error)).strip().splitlines() or [type(error).__name__]
+        print(f"lit_fsdp: error: {message[0]} (LIT_FSDP_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         sys.exit(2)
 
 

@@ -15,6 +15,7 @@ TRAINER_DEFAULTS = {
     "strategy": {"class_path": "lit_fsdp.strategy.FSDP2Strategy"},
     "max_steps": 200,
     "val_check_interval": 100,
+    "check_val_every_n_epoch": None,
     "limit_val_batches": 8,
     "log_every_n_steps": 10,
 }
@@ -34,6 +35,13 @@ class LitFsdpCLI(LightningCLI):
                 "and need lit_fsdp.strategy.FSDP2Strategy (the default): remove the --trainer.strategy override"
             )
         strategy.mesh_shape(self.trainer.num_nodes * self.trainer.num_devices, self.trainer.num_nodes)
+        positions = getattr(self.model.hf_config(), "max_position_embeddings", None)
+        seq_len = getattr(self.datamodule, "seq_len", 0)
+        if positions is not None and seq_len > positions:
+            raise ValueError(
+                f"--data.seq_len {seq_len} is longer than the model's {positions} positions; lower it or raise "
+                "max_position_embeddings (n_positions for GPT-2) with --model.config_overrides"
+            )
         # A fixed checkpoint folder (not one per logger version) is what makes `--ckpt_path last` find it.
         for callback in self.trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:

@@ -1,0 +1,281 @@
+"""Stream documents out of Wikipedia-style JSON files and tokenise them once into a memory-mapped cache.
+
+A cache is a folder holding ``tokens.bin`` (every document's token ids, with the eos id between documents),
+``progress.json`` (how many documents and tokens of ``tokens.bin`` are durable) and ``meta.json`` (written
+last; ``finalized: true``). A killed build resumes from ``progress.json``; readers open finalized caches only.
+In a multi-process run local rank 0 builds while the other ranks wait on the filesystem (``wait_or_build``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import fcntl
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import ijson
+import numpy as np
+from lightning.pytorch.utilities import rank_zero_info
+from transformers import PreTrainedTokenizerBase
+
+from lit_fsdp.data.tokenizer import encode_documents
+
+#: Characters of documents tokenised and committed together: this bounds the memory the tokenizer's output
+#: takes (about 50 MB per million characters) and the work a killed build redoes.
+CHARACTERS_PER_CHUNK = 4_000_000
+
+_TOKENS, _PROGRESS, _META, _FAILED, _LOCK = "tokens.bin", "progress.json", "meta.json", "failed", "lock"
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+def check_corpus_file(path: str | Path, flag: str) -> Path:
+    """The absolute path of a corpus file, after a cheap check that it exists and starts like JSON.
+
+    Called when the DataModule is built, so a bad path fails before any worker process starts.
+    """
+    path = Path(path).expanduser().absolute()
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} {path}: no such file; give a JSON array or JSON Lines file of articles")
+    first = _first_char(path)
+    if first not in ("[", "{"):
+        found = "it is empty" if first is None else f"it starts with {first!r}"
+        raise ValueError(
+            f"{flag} {path}: {found}, but a JSON array ('[') or JSON Lines of objects ('{{') was expected"
+        )
+    return path
+
+
+def _first_char(path: Path) -> str | None:
+    with open(path, "rb") as file:
+        while chunk := file.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[:1].decode("latin-1")
+    return None
+
+
+def read_documents(path: Path, max_documents: int | None = None) -> Iterator[str]:
+    """Each record's ``title + "\\n" + text`` (the first ``max_documents``), streamed from a JSON array or JSON Lines.
+
+    The format is told by the first non-blank character. Nothing but the current record is held in
+    memory, so multi-GB dumps are fine.
+    """
+    records = _array_records(path) if _first_char(path) == "[" else _line_records(path)
+    for where, record in itertools.islice(records, max_documents):
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f"{path}: {where} has no string 'text' field; every article needs one")
+        title = record.get("title")
+        yield f"{title}\n{text}" if title else text
+
+
+def _array_records(path: Path) -> Iterator[tuple[str, Any]]:
+    with open(path, "rb") as file:
+        index = 0  # of the record being parsed; after the last one, an error is trailing garbage
+        try:
+            for record in ijson.items(file, "item"):
+                yield f"record {index}", record
+                index += 1
+        except ijson.JSONError as error:
+            # ijson reads in 64 KiB buffers, so the byte offset is where the parser stopped, not the exact byte.
+            raise ValueError(
+                f"{path}: malformed JSON in record {index} (parser stopped at byte {file.tell()}): {_first_line(error)}"
+            ) from None
+
+
+def _line_records(path: Path) -> Iterator[tuple[str, Any]]:
+    with open(path, "rb") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as error:
+                reason = _first_line(error)
+                raise ValueError(
+                    f"{path}: malformed JSON on line {number} ({reason}); JSON Lines needs one object per line"
+                ) from None
+            yield f"line {number}", record
+
+
+def _first_line(error: Exception) -> str:
+    reason = error.args[0] if error.args else ""
+    # The yajl backend reports some errors as bytes, and its messages go on to draw a multi-line caret.
+    text = reason.decode("utf-8", "replace") if isinstance(reason, bytes) else str(reason)
+    lines = text.strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def source_identity(path: Path) -> dict[str, Any]:
+    """What identifies a source file's content cheaply: its absolute path, size and modification time."""
+    stat = path.stat()
+    return {"path": str(path.absolute()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+# ---------------------------------------------------------------------------------------------------- building
+
+
+def build_token_cache(
+    directory: Path, source: Path, tokenizer: PreTrainedTokenizerBase, max_documents: int | None = None
+) -> dict[str, Any]:
+    """Tokenise the first ``max_documents`` documents of ``source`` into ``directory``, resuming a killed build.
+
+    Returns the cache's description for ``meta.json``; finalizing is ``wait_or_build``'s job.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype(np.uint16 if len(tokenizer) <= 2**16 else np.uint32)
+    progress = _read_json(directory / _PROGRESS) or {"documents": 0, "tokens": 0}
+    done, committed = progress["documents"], progress["tokens"]
+    documents = itertools.islice(read_documents(source, max_documents), done, None)
+    started = last_report = time.monotonic()
+    rank_zero_info(f"Tokenizing {source} into {directory}" + (f", resuming after {done} documents" if done else ""))
+
+    (directory / _TOKENS).touch()
+    with open(directory / _TOKENS, "r+b") as file:
+        # Bytes past the last commit belong to a chunk whose documents will be tokenised again.
+        file.truncate(committed * dtype.itemsize)
+        file.seek(0, os.SEEK_END)
+        for chunk in _chunks(documents, CHARACTERS_PER_CHUNK):
+            ids = encode_documents(tokenizer, chunk)
+            # The eos id goes before every document but the first, so a chunk's tokens depend only on
+            # its own documents and their position in the corpus.
+            pieces = [[tokenizer.eos_token_id, *doc] if done + i else doc for i, doc in enumerate(ids)]
+            tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype)
+            file.write(tokens.tobytes())
+            file.flush()
+            os.fsync(file.fileno())
+            done, committed = done + len(chunk), committed + len(tokens)
+            _write_json(directory / _PROGRESS, {"documents": done, "tokens": committed})
+            if time.monotonic() - last_report > 60:
+                last_report = time.monotonic()
+                rank_zero_info(f"Tokenized {done:,} documents, {committed:,} tokens")
+
+    if committed == 0:
+        raise ValueError(f"{source}: the corpus is empty ({done} documents, no tokens); give a file with article text")
+    rank_zero_info(f"Tokenized {done:,} documents, {committed:,} tokens in {time.monotonic() - started:.1f} s")
+    return {"source": source_identity(source), "documents": done, "tokens": committed, "dtype": dtype.name}
+
+
+def _chunks(texts: Iterable[str], characters: int) -> Iterator[list[str]]:
+    """Consecutive texts grouped until each group holds at least ``characters`` characters (the last may hold fewer)."""
+    chunk, size = [], 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if size >= characters:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def wait_or_build(
+    directory: Path, build: Callable[[Path], dict[str, Any]], local_rank: int, poll_seconds: float = 1.0
+) -> dict[str, Any]:
+    """The ``meta.json`` of the finalized ``directory``, built by local rank 0 while the other ranks wait.
+
+    Rank 0 runs ``build(directory)`` (unless a finalized build is there) and writes ``meta.json`` from what it
+    returns; if the build raises, it writes the one-line error to a ``failed`` marker. Other ranks poll the
+    filesystem rather than block in a collective, so a long build never trips the process-group timeout,
+    and they raise rank 0's error if it fails.
+    """
+    if local_rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / _LOCK, "w") as lock:
+            # Another job building the same cache holds the lock; wait for it rather than interleave writes.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            meta = _finalized_meta(directory)
+            if meta is None:
+                (directory / _FAILED).unlink(missing_ok=True)
+                try:
+                    meta = {**build(directory), "finalized": True}
+                except Exception as error:
+                    _write_atomic(directory / _FAILED, f"{type(error).__name__}: {' '.join(str(error).split())}\n")
+                    raise
+                _write_json(directory / _META, meta)
+        return meta
+
+    while (meta := _finalized_meta(directory)) is None:
+        # A marker left by an earlier failed run can be read before rank 0 clears it; the same inputs would
+        # fail the same way, and a rerun after rank 0 succeeds finds the finalized build.
+        if (directory / _FAILED).exists():
+            _raise_failure((directory / _FAILED).read_text().strip())
+        time.sleep(poll_seconds)
+    return meta
+
+
+def _raise_failure(line: str) -> None:
+    kind, _, message = line.partition(": ")
+    error_type = getattr(builtins, kind, None)
+    if not (isinstance(error_type, type) and issubclass(error_type, Exception)):
+        error_type, message = RuntimeError, line
+    raise error_type(message)
+
+
+def _finalized_meta(directory: Path) -> dict[str, Any] | None:
+    meta = _read_json(directory / _META)
+    return meta if meta is not None and meta.get("finalized") else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _write_json(path: Path, content: dict[str, Any]) -> None:
+    _write_atomic(path, json.dumps(content, indent=2))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` so that a reader (or a resumed build) sees either the old or the new content, never a mix."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+# ---------------------------------------------------------------------------------------------------- serving
+
+
+class MappedTokens:
+    """Read-only memory map of a finalized cache's tokens that pickles as its path.
+
+    DataLoader workers started by spawn or forkserver re-map the file instead of receiving a copy of it.
+    """
+
+    def __init__(self, path: Path, dtype: str, length: int):
+        self.path, self.dtype, self.length = path, dtype, length
+        self._array: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        if self._array is None:
+            self._array = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.length,))
+        return self._array[index]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_array": None}
+
+
+def open_tokens(directory: Path) -> MappedTokens:
+    """The tokens of the cache in ``directory``, which must be finalized."""
+    meta = _finalized_meta(directory)
+    if meta is None:
+        raise FileNotFoundError(f"{directory} holds no finalized token cache; build it with wait_or_build first")
+    path, dtype = directory / _TOKENS, np.dtype(meta["dtype"])
+    if path.stat().st_size != meta["tokens"] * dtype.itemsize:
+        raise ValueError(f"{path} does not hold the {meta['tokens']} tokens its meta.json records; delete {directory}")
+    return MappedTokens(path, dtype.name, meta["tokens"])

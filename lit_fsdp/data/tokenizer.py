@@ -1,0 +1,64 @@
+"""The tokenizer of a text corpus: a local Hugging Face tokenizer folder, or a byte-level BPE trained on the corpus.
+
+Either way the result is a Hugging Face tokenizer with an eos token, so it can be saved next to the model
+and the token caches can join documents with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The Hugging Face tokenizer saved in the folder ``path``, read without touching the network."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as error:
+        message = " ".join(str(error).split())
+        raise ValueError(f"cannot load a Hugging Face tokenizer from {path}: {message}") from None
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"the tokenizer in {path} has no eos token; documents are separated by it, "
+            "so use a tokenizer that defines one"
+        )
+    return tokenizer
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of ``vocab_size`` tokens (``<|endoftext|>`` included) trained on ``texts``."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        # All 256 bytes are in the vocabulary, so any text (including text unseen in training) can be encoded.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN)
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A hash that changes whenever the tokenizer would produce different ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # A fast tokenizer is fully described by its tokenizer.json; a slow one by its vocabulary and class.
+    content = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    described = json.dumps([type(tokenizer).__name__, content, tokenizer.eos_token_id])
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
+
+
+def encode_documents(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, without special tokens (a fast tokenizer encodes the batch in parallel)."""
+    # verbose=False: documents are meant to be longer than the model's context, so the length warning is noise.
+    encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)
+    return encoded["input_ids"]

@@ -1,0 +1,154 @@
+"""Wikipedia-style articles as training data: a JSON array or JSON Lines file of ``{"id", "title", "text"}``.
+
+The tokenizer (a local Hugging Face folder, or a byte-level BPE trained on the training file) and each
+file's token stream are built once into ``cache_dir`` and reused by every later run with the same inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_info
+from transformers import PreTrainedTokenizerBase
+
+from lit_fsdp.data.blocks import BlockDataModule, TokenBlocks, blocks_per_split
+from lit_fsdp.data.token_cache import (
+    MappedTokens,
+    build_token_cache,
+    check_corpus_file,
+    open_tokens,
+    read_documents,
+    source_identity,
+    wait_or_build,
+)
+from lit_fsdp.data.tokenizer import load_tokenizer, tokenizer_fingerprint, train_bpe
+
+
+class WikipediaDataModule(BlockDataModule):
+    """Articles tokenised once into a memory-mapped cache and packed into blocks of ``seq_len + 1`` tokens.
+
+    Articles are joined with the tokenizer's eos token between them. ``vocab_size`` is the tokenizer's
+    length once ``setup`` has run (before that, the requested BPE size).
+    """
+
+    def __init__(
+        self,
+        train_path: str,
+        val_path: str | None = None,
+        tokenizer_path: str | None = None,
+        vocab_size: int = 8192,
+        seq_len: int = 256,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        max_documents: int | None = None,
+        cache_dir: str | None = None,
+        seed: int = 1234,
+        num_workers: int = 0,
+    ):
+        """
+        Args:
+            train_path: JSON array or JSON Lines file of {"id", "title", "text"} articles to train on.
+            val_path: Validation articles in the same format; by default the last val_fraction of the training blocks.
+            tokenizer_path: Local Hugging Face tokenizer folder; by default a byte-level BPE is trained on train_path.
+            vocab_size: Vocabulary size of the trained BPE, eos included (ignored with tokenizer_path).
+            seq_len: Tokens per training sequence.
+            batch_size: Sequences per process per micro-batch.
+            val_fraction: Share of the training blocks held out for validation when val_path is not given.
+            max_documents: Read only the first this many articles of each file (for quick runs).
+            cache_dir: Folder for tokenizers and token caches; default $LIT_FSDP_CACHE, else ~/.cache/lit_fsdp/tokens.
+            seed: Seed of the sampling order.
+            num_workers: DataLoader worker processes.
+        """
+        super().__init__(seq_len=seq_len, batch_size=batch_size, seed=seed, num_workers=num_workers)
+        self.train_path = check_corpus_file(train_path, "--data.train_path")
+        self.val_path = None if val_path is None else check_corpus_file(val_path, "--data.val_path")
+        if tokenizer_path is not None and not Path(tokenizer_path).expanduser().is_dir():
+            raise FileNotFoundError(
+                f"--data.tokenizer_path {tokenizer_path}: no such folder; give a local Hugging Face tokenizer folder, "
+                "or leave it unset to train a BPE on --data.train_path"
+            )
+        if tokenizer_path is None and vocab_size <= 256:
+            raise ValueError(f"--data.vocab_size must exceed the 256 byte tokens of a byte-level BPE, got {vocab_size}")
+        if max_documents is not None and max_documents < 1:
+            raise ValueError(f"--data.max_documents must be positive or unset, got {max_documents}")
+        self.tokenizer_path = None if tokenizer_path is None else Path(tokenizer_path).expanduser()
+        self.bpe_vocab_size = vocab_size
+        self.vocab_size = vocab_size
+        self.val_fraction = val_fraction
+        self.max_documents = max_documents
+        self.cache_dir = Path(cache_dir or os.environ.get("LIT_FSDP_CACHE") or "~/.cache/lit_fsdp/tokens").expanduser()
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        return self._tokenizer
+
+    @property
+    def dataset_name(self) -> str:
+        return self.train_path.stem
+
+    def setup(self, stage: str) -> None:
+        if hasattr(self, "train_set"):
+            return
+        local_rank = 0 if self.trainer is None else self.trainer.local_rank
+        self._tokenizer = self._setup_tokenizer(local_rank)
+        self.vocab_size = len(self._tokenizer)
+        train_tokens = self._setup_tokens(self.train_path, local_rank)
+        if self.val_path is not None:
+            self.train_set = _blocks(self.train_path, train_tokens, self.seq_len)
+            self.val_set = _blocks(self.val_path, self._setup_tokens(self.val_path, local_rank), self.seq_len)
+            return
+        total = (len(train_tokens) - 1) // self.seq_len
+        if total < 2:
+            raise ValueError(
+                f"{self.train_path}: {len(train_tokens)} tokens make {total} blocks of --data.seq_len {self.seq_len}, "
+                "too few to hold out validation blocks; use a shorter --data.seq_len, more data or --data.val_path"
+            )
+        num_train, num_val = blocks_per_split(total, self.val_fraction)
+        self.train_set = _blocks(self.train_path, train_tokens, self.seq_len, 0, num_train)
+        self.val_set = _blocks(self.train_path, train_tokens, self.seq_len, num_train, num_val)
+
+    def _setup_tokenizer(self, local_rank: int) -> PreTrainedTokenizerBase:
+        if self.tokenizer_path is not None:
+            return load_tokenizer(self.tokenizer_path)
+        key = _key(
+            source=source_identity(self.train_path), vocab_size=self.bpe_vocab_size, max_documents=self.max_documents
+        )
+        directory = self.cache_dir / f"tokenizer-{self.train_path.stem}-{key}"
+        wait_or_build(directory, self._train_tokenizer, local_rank)
+        return load_tokenizer(directory)
+
+    def _train_tokenizer(self, directory: Path) -> dict[str, Any]:
+        rank_zero_info(f"Training a byte-level BPE of {self.bpe_vocab_size} tokens on {self.train_path}")
+        tokenizer = train_bpe(read_documents(self.train_path, self.max_documents), self.bpe_vocab_size)
+        tokenizer.save_pretrained(directory)
+        return {"source": source_identity(self.train_path), "vocab_size": len(tokenizer)}
+
+    def _setup_tokens(self, source: Path, local_rank: int) -> MappedTokens:
+        key = _key(
+            source=source_identity(source),
+            tokenizer=tokenizer_fingerprint(self._tokenizer),
+            seq_len=self.seq_len,
+            max_documents=self.max_documents,
+        )
+        directory = self.cache_dir / f"tokens-{source.stem}-{key}"
+        build = partial(build_token_cache, source=source, tokenizer=self._tokenizer, max_documents=self.max_documents)
+        wait_or_build(directory, build, local_rank)
+        return open_tokens(directory)
+
+
+def _blocks(source: Path, tokens: MappedTokens, seq_len: int, first: int = 0, count: int | None = None) -> TokenBlocks:
+    try:
+        return TokenBlocks(tokens, seq_len, first, count)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+
+
+def _key(**parts: Any) -> str:
+    """A short stable hash of what a cached artifact was built from."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
