@@ -7,15 +7,16 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 # Dropout is off everywhere: runs are then reproducible step for step, and modern LM pre-training
-# does without it. ``vocab_size`` is replaced by the data's vocabulary when the data has one.
+# does without it. ``vocab_size`` is replaced by the data's vocabulary when the data has one, and
+# the special token ids by the data tokenizer's (GPT-2's 50256 lies outside the small vocabularies).
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-tiny": dict(
         model_type="gpt2", n_layer=2, n_head=2, n_embd=64, n_positions=512, vocab_size=512,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
     ),
     "gpt2-small": dict(
         model_type="gpt2", n_layer=4, n_head=4, n_embd=256, n_positions=1024, vocab_size=8192,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
     ),
     "gpt2-124m": dict(
         model_type="gpt2", n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257,

@@ -25,23 +25,20 @@ class MarkovSource:
             raise ValueError(f"branching must be in [2, vocab_size={vocab_size}], got {branching}")
         rng = np.random.default_rng(seed)
         self.vocab_size = vocab_size
-        self.transition = np.zeros((vocab_size, vocab_size))
-        for token in range(vocab_size):
-            successors = rng.choice(vocab_size, size=branching, replace=False)
-            self.transition[token, successors] = rng.dirichlet(np.full(branching, concentration))
-        self.stationary = self._stationary(self.transition)
-        # Per-token successor lists and their cumulative probabilities, for a fast sequential sampler.
-        self._successors = [np.flatnonzero(row).tolist() for row in self.transition]
-        self._cumulative = [np.cumsum(row[row > 0]).tolist() for row in self.transition]
+        # Sparse rows (vocab_size x branching): a dense matrix would not fit for a 50k vocabulary.
+        self.successors = np.stack([rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)])
+        self.probs = rng.dirichlet(np.full(branching, concentration), size=vocab_size)
+        self.stationary = self._stationary()
+        self._successor_lists = self.successors.tolist()
+        self._cumulative = np.cumsum(self.probs, axis=1).tolist()
         self._rng = rng
 
-    @staticmethod
-    def _stationary(transition: np.ndarray) -> np.ndarray:
-        # Power iteration on a lazy chain (same stationary distribution, guaranteed to converge).
-        lazy = 0.5 * (transition + np.eye(len(transition)))
-        pi = np.full(len(transition), 1.0 / len(transition))
-        for _ in range(10_000):
-            nxt = pi @ lazy
+    def _stationary(self) -> np.ndarray:
+        # Power iteration on the lazy chain (same stationary distribution, guaranteed to converge).
+        pi = np.full(self.vocab_size, 1.0 / self.vocab_size)
+        for _ in range(100_000):
+            step = np.bincount(self.successors.ravel(), weights=(pi[:, None] * self.probs).ravel(), minlength=self.vocab_size)
+            nxt = 0.5 * (pi + step)
             if np.abs(nxt - pi).sum() < 1e-13:
                 break
             pi = nxt
@@ -51,8 +48,8 @@ class MarkovSource:
     def entropy_rate(self) -> float:
         """Entropy rate in nats per token: the lowest expected next-token loss."""
         with np.errstate(divide="ignore", invalid="ignore"):
-            logs = np.where(self.transition > 0, np.log(self.transition), 0.0)
-        return float(-(self.stationary[:, None] * self.transition * logs).sum())
+            logs = np.where(self.probs > 0, np.log(self.probs), 0.0)
+        return float(-(self.stationary[:, None] * self.probs * logs).sum())
 
     def sample(self, num_tokens: int) -> np.ndarray:
         """``num_tokens`` consecutive tokens of the chain, started from the stationary distribution."""
@@ -60,7 +57,7 @@ class MarkovSource:
         out = [token]
         for u in self._rng.random(num_tokens - 1).tolist():
             cumulative = self._cumulative[token]
-            token = self._successors[token][min(bisect.bisect_right(cumulative, u), len(cumulative) - 1)]
+            token = self._successor_lists[token][min(bisect.bisect_right(cumulative, u), len(cumulative) - 1)]
             out.append(token)
         return np.asarray(out, dtype=np.int64)
 
