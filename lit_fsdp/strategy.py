@@ -16,6 +16,7 @@ from typing import Literal, Protocol, runtime_checkable
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -122,6 +123,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         return (world_size,)
 
     def setup_environment(self) -> None:
+        if self.root_device.type == "cpu":
+            # Lightning's launcher limits threads (cores / processes) only in the process that launches
+            # the others; the ranks it starts keep every core each and oversubscribe the CPU.
+            _set_num_threads_if_needed(self.num_processes)
         self._setup_distributed()
         shape = self.mesh_shape(self.world_size, self.num_nodes)
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
