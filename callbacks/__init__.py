@@ -1,5 +1,6 @@
-"""Lightning callbacks that measure a run: throughput (and, as they land, memory, communication, compression)."""
+"""Lightning callbacks that measure a run: throughput and compression statistics."""
 
+from callbacks.compression import CompressionStats
 from callbacks.throughput import Throughput
 
-__all__ = ["Throughput"]
+__all__ = ["CompressionStats", "Throughput"]

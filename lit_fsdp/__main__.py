@@ -1,4 +1,4 @@
-"""Entry point: ``python -m lit_fsdp`` (or ``lit-fsdp``) with fit/validate/test/predict, or ``export``."""
+"""Entry point: ``python -m lit_fsdp`` (or ``lit-fsdp``) with fit/validate/test/predict, ``export`` or ``compressors``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ def root_cause(error: BaseException) -> BaseException:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     try:
-        if args[:1] == ["export"]:
+        if args[:1] == ["compressors"]:
+            from compress.config import describe_methods
+
+            print(describe_methods())
+        elif args[:1] == ["export"]:
             from jsonargparse import auto_cli
 
             from lit_fsdp.export import export_hf

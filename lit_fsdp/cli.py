@@ -35,6 +35,8 @@ class LitFsdpCLI(LightningCLI):
                 "and need lit_fsdp.strategy.FSDP2Strategy (the default): remove the --trainer.strategy override"
             )
         strategy.mesh_shape(self.trainer.num_nodes * self.trainer.num_devices, self.trainer.num_nodes)
+        if strategy.compression is not None:
+            strategy.compression.build(rank=0)  # unknown method, out-of-range parameter: fail here
         positions = getattr(self.model.hf_config(), "max_position_embeddings", None)
         seq_len = getattr(self.datamodule, "seq_len", 0)
         if positions is not None and seq_len > positions:

@@ -23,6 +23,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from compress.config import CompressionConfig
+from compress.hook import GradientCompression
 from lit_fsdp.parallelize import ShardingPlan, parallelize
 from lit_fsdp.weights import materialize
 
@@ -32,7 +34,11 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 @runtime_checkable
 class GradientCommHook(Protocol):
-    """Anything that changes how an FSDP2 module communicates gradients (e.g. compression)."""
+    """Anything that changes how an FSDP2 module communicates gradients (e.g. compression).
+
+    A hook with ``replaces_replicate_all_reduce = True`` averages across the replicate mesh dimension
+    itself (``set_all_reduce_hook``): the strategy then shards over the shard sub-mesh only.
+    """
 
     def register(self, module: FSDPModule, mesh: DeviceMesh) -> None:
         """Install the hook on one FSDP module (``set_custom_reduce_scatter``, all-reduce hooks, ...)."""
@@ -55,6 +61,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         compile_blocks: bool = False,
         prefetch: int = 0,
         comm_hook: GradientCommHook | None = None,
+        compression: CompressionConfig | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -75,7 +82,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             compile_blocks: ``torch.compile`` each block.
             prefetch: Units whose parameters are gathered ahead, in forward and backward; 0 leaves FSDP2's
                 implicit one-ahead schedule.
-            comm_hook: Gradient communication hook registered on every FSDP module (e.g. compression).
+            comm_hook: Gradient communication hook registered on every FSDP module.
+            compression: Gradient compression, e.g. ``{method: int8, num_bits: 8, error_feedback: false}``; see
+                ``python -m lit_fsdp compressors``. Method ``none`` registers no hook at all.
             save_distributed_checkpoint: Sharded checkpoint folder (one file per rank); False writes one full file.
             process_group_backend: ``gloo`` or ``nccl``; default from the device.
             timeout: Collective timeout.
@@ -103,6 +112,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.compile_blocks = compile_blocks
         self.prefetch = prefetch
+        if compression is not None and compression.method != "none":
+            if comm_hook is not None:
+                raise ValueError("set either compression or comm_hook on the strategy, not both")
+            comm_hook = GradientCompression(compression)
+        self.compression = compression
         self.comm_hook = comm_hook
         self.fsdp_modules: list[FSDPModule] = []
 
@@ -150,8 +164,11 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def sharding_plan(self) -> ShardingPlan:
         param_dtype = self.resolve_dtype(self.param_dtype)
+        mesh = self.device_mesh
+        if mesh.ndim == 2 and getattr(self.comm_hook, "replaces_replicate_all_reduce", False):
+            mesh = mesh["shard"]
         return ShardingPlan(
-            mesh=self.device_mesh,
+            mesh=mesh,
             reshard_after_forward=self.sharding in ("FULL_SHARD", "HYBRID_SHARD"),
             param_dtype=param_dtype,
             reduce_dtype=self.resolve_dtype(self.reduce_dtype, fallback=param_dtype),

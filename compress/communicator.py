@@ -1,0 +1,265 @@
+"""Communicators: FSDP2 hooks that move compressed payloads between ranks and count every byte.
+
+Reduce-scatter (``CompressedReduceScatter``, set with ``FSDPModule.set_custom_reduce_scatter``): FSDP2
+hands over a flat gradient laid out as ``[world, shard]``; row ``d`` is what rank ``d`` must receive.
+
+- Linear compressors (fp16/bf16 casts, shared-seed random-k, count-sketch) compress each row with the
+  same seed on every rank, so the payloads line up element by element and one native
+  ``reduce_scatter_tensor`` per payload tensor sums them on the wire.
+- All others cannot be added on the wire (each rank has its own scales, indices or factors): each rank
+  sends row ``d``'s payload to rank ``d`` with ``all_to_all_single`` (sizes first, then bytes), and the
+  receiver decompresses every source's payload and sums in float32.
+
+All-reduce over the replicate dimension of NO_SHARD / HYBRID_SHARD (``CompressedAllReduce``, set with
+``FSDPModule.set_all_reduce_hook``): FSDP then runs on the shard sub-mesh and this hook averages the
+reduced shard across replicas, natively for linear payloads and by ``all_gather`` of payloads otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from compress.payload import SCALAR_BYTES, Compressor, Payload
+
+
+@dataclass
+class CommStats:
+    """Counters of one rank, summed over all hooks; ``take()`` returns and clears them."""
+
+    calls: int = 0
+    numel: int = 0
+    bytes_raw: int = 0  # what the uncompressed float32 collective would send from this rank
+    bytes_sent: int = 0  # what was sent, payloads plus headers plus size exchanges
+    bytes_index: int = 0
+    compress_s: float = 0.0
+    decompress_s: float = 0.0
+    extra_collectives: int = 0  # collectives beyond the one the uncompressed path needs
+    extra_collective_s: float = 0.0
+    nonfinite: int = 0
+
+    def take(self) -> dict[str, float]:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for f in fields(self):
+            setattr(self, f.name, type(getattr(self, f.name))())
+        return values
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Timer:
+    """Wall time of a block, device-synchronised so asynchronous kernels are counted where they run."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+
+    def __enter__(self) -> "_Timer":
+        _sync(self.device)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _sync(self.device)
+        self.seconds = time.perf_counter() - self._start
+
+
+def serialize(payload: Payload) -> torch.Tensor:
+    """Payload as one uint8 buffer: a JSON header (names, dtypes, shapes, scalars), then raw tensor bytes."""
+    layout = {
+        "t": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in payload.tensors.items()],
+        "s": payload.scalars,
+        "i": list(payload.index_names),
+    }
+    header = json.dumps(layout, separators=(",", ":")).encode()
+    device = next(iter(payload.tensors.values())).device if payload.tensors else torch.device("cpu")
+    parts = [torch.tensor(list(len(header).to_bytes(4, "little")) + list(header), dtype=torch.uint8, device=device)]
+    parts += [t.contiguous().view(-1).view(torch.uint8) for t in payload.tensors.values()]
+    return torch.cat(parts)
+
+
+def deserialize(buffer: torch.Tensor, numel: int) -> Payload:
+    header_len = int.from_bytes(bytes(buffer[:4].tolist()), "little")
+    layout = json.loads(bytes(buffer[4 : 4 + header_len].tolist()).decode())
+    offset = 4 + header_len
+    tensors = {}
+    for name, dtype_name, shape in layout["t"]:
+        dtype = getattr(torch, dtype_name)
+        count = 1
+        for size in shape:
+            count *= size
+        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        # A copy: a slice at an odd byte offset cannot be viewed as a wider dtype.
+        tensors[name] = buffer[offset : offset + nbytes].clone().view(dtype).view(shape)
+        offset += nbytes
+    return Payload(numel=numel, tensors=tensors, scalars=layout["s"], index_names=tuple(layout["i"]))
+
+
+def _apply_op(result: torch.Tensor, op: object, world: int, prescaled: bool) -> torch.Tensor:
+    """``result`` is the sum over ranks (or the mean, when inputs were ``prescaled`` by 1/world)."""
+    if op == dist.ReduceOp.AVG:
+        return result if prescaled else result / world
+    if op == dist.ReduceOp.SUM:
+        return result * world if prescaled else result
+    raise ValueError(f"compressed reduce-scatter supports ReduceOp SUM and AVG, got {op}; do not set a gradient divide factor")
+
+
+class _PayloadMover:
+    """What both hooks share: the compressor, the counters, non-finite screening and per-call seeds."""
+
+    def __init__(self, compressor: Compressor, stats: CommStats, name: str):
+        self.compressor = compressor
+        self.stats = stats
+        self.name = name
+        self._base_seed = zlib.crc32(name.encode())
+        self._calls = 0
+
+    def next_seed(self) -> int:
+        # Every rank runs the same hooks in the same order, so the call count agrees across ranks.
+        self._calls += 1
+        return self._base_seed * 1_000_003 + self._calls * 1009
+
+    def screen(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Non-finite gradient values are counted and replaced by zeros rather than sent."""
+        finite = torch.isfinite(tensor)
+        bad = int(finite.numel() - finite.sum())
+        if bad:
+            self.stats.nonfinite += bad
+            tensor = torch.where(finite, tensor, torch.zeros_like(tensor))
+        return tensor
+
+    def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
+        with _Timer(tensor.device) as timer:
+            payload = self.compressor.compress(tensor, key, seed)
+        self.stats.compress_s += timer.seconds
+        return payload
+
+    def decompress(self, payloads: list[Payload], device: torch.device) -> torch.Tensor:
+        """The float32 sum of the decompressed payloads."""
+        with _Timer(device) as timer:
+            total = self.compressor.decompress(payloads[0]).float()
+            for payload in payloads[1:]:
+                total = total + self.compressor.decompress(payload)
+        self.stats.decompress_s += timer.seconds
+        return total
+
+    def collective(self, fn, *args, extra: bool, **kwargs) -> None:
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        with _Timer(device) as timer:
+            fn(*args, **kwargs)
+        if extra:
+            self.stats.extra_collectives += 1
+            self.stats.extra_collective_s += timer.seconds
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """FSDP2 reduce-scatter of compressed gradient rows (see the module docstring for the two paths)."""
+
+    def __init__(self, compressor: Compressor, stats: CommStats, name: str):
+        self.mover = _PayloadMover(compressor, stats, name)
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        mover, stats = self.mover, self.mover.stats
+        world, rank = group.size(), group.rank()
+        rows = mover.screen(input_tensor.float()).view(world, -1)
+        seed = mover.next_seed()
+        stats.calls += 1
+        stats.numel += rows.numel()
+        stats.bytes_raw += (world - 1) * rows.shape[1] * 4
+        if mover.compressor.linear:
+            rows = rows / world  # average on the wire: the sum of fp16 payloads cannot overflow
+            payloads = [mover.compress(rows[d], f"{mover.name}/{d}", seed) for d in range(world)]
+            result = mover.decompress([self._reduce_scatter_payloads(payloads, group, rank)], rows.device)
+        else:
+            payloads = [mover.compress(rows[d], f"{mover.name}/{d}", seed + d) for d in range(world)]
+            received = self._all_to_all(payloads, group, rank, rows.shape[1])
+            result = mover.decompress(received, rows.device)
+        output_tensor.copy_(_apply_op(result, op, world, prescaled=mover.compressor.linear))
+        return None
+
+    def _reduce_scatter_payloads(self, payloads: list[Payload], group, rank: int) -> Payload:
+        mover, stats = self.mover, self.mover.stats
+        world = len(payloads)
+        summed = {}
+        for index, name in enumerate(payloads[0].tensors):
+            shape = payloads[rank].tensors[name].shape
+            stacked = torch.cat([p.tensors[name].reshape(-1) for p in payloads])
+            out = stacked.new_empty(stacked.numel() // world)
+            mover.collective(dist.reduce_scatter_tensor, out, stacked, op=dist.ReduceOp.SUM, group=group, extra=index > 0)
+            summed[name] = out.view(shape)
+        mine = payloads[rank]
+        # Scalars (seeds) are equal on all ranks and derived from the shared call count: not sent again.
+        stats.bytes_sent += (world - 1) * (mine.nbytes - SCALAR_BYTES * len(mine.scalars))
+        stats.bytes_index += (world - 1) * mine.index_nbytes
+        return Payload(numel=mine.numel, tensors=summed, scalars=mine.scalars, index_names=mine.index_names)
+
+    def _all_to_all(self, payloads: list[Payload], group, rank: int, numel: int) -> list[Payload]:
+        mover, stats = self.mover, self.mover.stats
+        buffers = [serialize(p) if d != rank else None for d, p in enumerate(payloads)]
+        device = next(b.device for b in buffers if b is not None)
+        send_sizes = torch.tensor([0 if b is None else b.numel() for b in buffers], dtype=torch.int64, device=device)
+        recv_sizes = torch.empty_like(send_sizes)
+        mover.collective(dist.all_to_all_single, recv_sizes, send_sizes, group=group, extra=True)
+        send = torch.cat([b for b in buffers if b is not None])
+        recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=device)
+        mover.collective(
+            dist.all_to_all_single, recv, send,
+            output_split_sizes=recv_sizes.tolist(), input_split_sizes=send_sizes.tolist(), group=group, extra=False,
+        )
+        stats.bytes_sent += int(send_sizes.sum()) + send_sizes.numel() * 8
+        stats.bytes_index += sum(p.index_nbytes for d, p in enumerate(payloads) if d != rank)
+        received = [payloads[rank]]
+        for source, chunk in enumerate(torch.split(recv, recv_sizes.tolist())):
+            if source != rank:
+                received.append(deserialize(chunk, numel))
+        return received
+
+
+class CompressedAllReduce:
+    """All-reduce hook for the replicate dimension: averages a reduced shard across replicas."""
+
+    def __init__(self, compressor: Compressor, stats: CommStats, name: str, group: dist.ProcessGroup):
+        self.mover = _PayloadMover(compressor, stats, name)
+        self.group = group
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        mover, stats, group = self.mover, self.mover.stats, self.group
+        world = group.size()
+        flat = mover.screen(reduce_output.float()).view(-1)
+        seed = mover.next_seed()
+        stats.calls += 1
+        stats.numel += flat.numel()
+        stats.bytes_raw += 2 * (world - 1) * flat.numel() * 4 // world  # a ring all-reduce
+        if mover.compressor.linear:
+            payload = mover.compress(flat / world, f"{mover.name}/ar", seed)
+            for index, tensor in enumerate(payload.tensors.values()):
+                mover.collective(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=group, extra=index > 0)
+            stats.bytes_sent += 2 * (world - 1) * (payload.nbytes - SCALAR_BYTES * len(payload.scalars)) // world
+            result = mover.decompress([payload], flat.device)
+        else:
+            payload = mover.compress(flat, f"{mover.name}/ar", seed + group.rank())
+            buffer = serialize(payload)
+            sizes = [torch.zeros(1, dtype=torch.int64, device=flat.device) for _ in range(world)]
+            mover.collective(dist.all_gather, sizes, torch.tensor([buffer.numel()], device=flat.device), group=group, extra=True)
+            longest = int(max(s.item() for s in sizes))
+            gathered = [torch.empty(longest, dtype=torch.uint8, device=flat.device) for _ in range(world)]
+            padded = torch.nn.functional.pad(buffer, (0, longest - buffer.numel()))
+            mover.collective(dist.all_gather, gathered, padded, group=group, extra=False)
+            stats.bytes_sent += (world - 1) * (longest + 8)
+            stats.bytes_index += (world - 1) * payload.index_nbytes
+            me = group.rank()
+            payloads = [payload] + [deserialize(g[: int(s.item())], flat.numel()) for i, (g, s) in enumerate(zip(gathered, sizes)) if i != me]
+            result = mover.decompress(payloads, flat.device) / world
+        reduce_output.copy_(result.view_as(reduce_output))

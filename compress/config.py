@@ -1,0 +1,145 @@
+"""Choosing a compression method in YAML: ``compression: {method: int8, num_bits: 8, error_feedback: false}``.
+
+``METHODS`` is the one table of methods: their parameters with defaults, and how to build them.
+``python -m lit_fsdp compressors`` prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+from compress.error_feedback import ErrorFeedback
+from compress.lowrank import LowRank
+from compress.payload import Compressor
+from compress.quantize import FP8, QSGD, CastBF16, CastFP16, IntQuant, NaturalCompression, OneBit, SignSGD
+from compress.sketch import CountSketch
+from compress.sparsify import RandomK, Sparsified, ThresholdV, TopK
+
+
+@dataclass(frozen=True)
+class Method:
+    """One compression method: what it does, its parameters with defaults, and its constructor."""
+
+    summary: str
+    defaults: dict[str, Any]
+    build: Callable[..., Compressor]
+    #: a biased method whose dropped part error feedback can carry to the next step
+    feedback: bool = True
+
+
+METHODS: dict[str, Method] = {
+    "none": Method("no hook: FSDP2's own reduce-scatter", {}, lambda: None, feedback=False),  # type: ignore[arg-type,return-value]
+    "fp16": Method("cast to float16 for transport (native reduce-scatter)", {}, CastFP16),
+    "bf16": Method("cast to bfloat16 for transport (native reduce-scatter)", {}, CastBF16),
+    "fp8": Method("float8 e4m3 with an fp32 scale per chunk", {"chunk_size": 1024}, FP8),
+    "int8": Method("symmetric integer quantisation, an fp32 scale per chunk", {"num_bits": 8, "chunk_size": 1024}, IntQuant),
+    "qsgd": Method("stochastic quantisation to `levels` per chunk norm (unbiased)", {"levels": 16, "chunk_size": 1024}, QSGD, feedback=False),
+    "natural": Method("stochastic rounding to powers of two (unbiased)", {}, NaturalCompression, feedback=False),
+    "topk": Method("the k largest magnitudes, cheaper of int32 or bitmap indices", {"ratio": 0.01, "k": None}, TopK),
+    "randomk": Method(
+        "k shared-seed random coordinates, values only (native reduce-scatter)",
+        {"ratio": 0.01, "k": None, "rescale": True}, RandomK,
+    ),
+    "thresholdv": Method("coordinates with magnitude >= threshold", {"threshold": 1e-3}, ThresholdV),
+    "sketch": Method(
+        "count-sketch with heavy-hitter recovery (native reduce-scatter)",
+        {"ratio": 0.1, "rows": 5, "heavy_ratio": 0.01}, CountSketch,
+    ),
+    "lowrank": Method("rank-r power iteration with warm start (PowerSGD-style)", {"rank": 4, "cols": None}, LowRank),
+    "signsgd": Method("signs and one scale (mean magnitude) per chunk", {"chunk_size": 1024}, SignSGD),
+    "onebit": Method("1-bit SGD: signs and per-chunk means of each sign", {"chunk_size": 1024}, OneBit),
+}
+SPARSIFIERS = ("topk", "randomk", "thresholdv")
+QUANTIZERS = ("fp16", "bf16", "fp8", "int8", "qsgd", "natural")
+_RANDOMISED = {"qsgd", "natural"}  # draw private random numbers: salted with the rank
+
+
+@dataclass
+class CompressionConfig:
+    """Gradient compression for FSDP2 communication; unset parameters take the method's default."""
+
+    method: str = "none"
+    """none, fp16, bf16, fp8, int8, qsgd, natural, topk, randomk, thresholdv, sketch, lowrank, signsgd, onebit"""
+    error_feedback: bool = False
+    """carry what compression dropped into the next step (biased methods only)"""
+    quantize: str | None = None
+    """composite: quantise the values a sparsifier keeps with this method (fp16, bf16, fp8, int8, qsgd, natural)"""
+    ratio: float | None = None
+    """topk, randomk: share of coordinates kept; sketch: table size as a share of the gradient"""
+    k: int | None = None
+    """topk, randomk: number of coordinates kept (instead of ratio)"""
+    num_bits: int | None = None
+    """int8: bits per value, 2 to 8"""
+    chunk_size: int | None = None
+    """fp8, int8, qsgd, signsgd, onebit: elements sharing one scale"""
+    levels: int | None = None
+    """qsgd: quantisation levels"""
+    rescale: bool | None = None
+    """randomk: scale kept values by n/k so the estimate is unbiased"""
+    threshold: float | None = None
+    """thresholdv: keep coordinates with magnitude at least this"""
+    rows: int | None = None
+    """sketch: hash rows"""
+    heavy_ratio: float | None = None
+    """sketch: share of coordinates recovered as heavy hitters"""
+    rank: int | None = None
+    """lowrank: rank of the approximation"""
+    cols: int | None = None
+    """lowrank: columns of the matrix a gradient chunk is reshaped into (default about sqrt(n))"""
+
+    def parameters(self) -> dict[str, Any]:
+        """The method's parameters: its defaults, overridden by what was set."""
+        method = self._method(self.method, "method")
+        given = {f.name: getattr(self, f.name) for f in fields(self) if f.name in method.defaults}
+        values = {**method.defaults, **{key: value for key, value in given.items() if value is not None}}
+        if "k" in values and given.get("k") is not None and given.get("ratio") is None:
+            values["ratio"] = None
+        return values
+
+    def build(self, rank: int) -> Compressor | None:
+        """The compressor on ``rank`` (None for ``none``), with error feedback and a quantiser if asked."""
+        method = self._method(self.method, "method")
+        foreign = [
+            f.name for f in fields(self)
+            if f.name not in ("method", "error_feedback", "quantize") and f.name not in method.defaults
+            and getattr(self, f.name) is not None
+        ]
+        if foreign:
+            raise ValueError(f"compression parameter {foreign[0]} does not apply to method {self.method!r}; "
+                             f"it takes {', '.join(method.defaults) or 'no parameters'}")
+        compressor = method.build(**self.parameters())
+        if self.method in _RANDOMISED:
+            compressor.salt = rank
+        if self.quantize is not None:
+            if self.method not in SPARSIFIERS or self.quantize not in QUANTIZERS:
+                raise ValueError(f"quantize: {self.quantize!r} composes a sparsifier ({', '.join(SPARSIFIERS)}) with a "
+                                 f"quantiser ({', '.join(QUANTIZERS)}); got method {self.method!r}")
+            quantizer = METHODS[self.quantize].build(**METHODS[self.quantize].defaults)
+            if self.quantize in _RANDOMISED:
+                quantizer.salt = rank
+            compressor = Sparsified(compressor, quantizer)
+        if self.error_feedback:
+            if not method.feedback or (self.method == "randomk" and self.parameters()["rescale"]):
+                raise ValueError(f"error_feedback needs a biased method; {self.method!r} is "
+                                 f"{'no compression' if self.method == 'none' else 'unbiased'}: set error_feedback false")
+            compressor = ErrorFeedback(compressor)
+        return compressor
+
+    @staticmethod
+    def _method(name: str, where: str) -> Method:
+        if name not in METHODS:
+            raise ValueError(f"unknown compression {where} {name!r}; choose one of {', '.join(METHODS)}")
+        return METHODS[name]
+
+
+def describe_methods() -> str:
+    """A table of the methods, their parameters and defaults, for ``python -m lit_fsdp compressors``."""
+    lines = ["method      parameters (defaults)                         what"]
+    for name, method in METHODS.items():
+        params = ", ".join(f"{k}={v}" for k, v in method.defaults.items()) or "-"
+        lines.append(f"{name:<11} {params:<45} {method.summary}")
+    lines.append("")
+    lines.append("every method but none, qsgd, natural and rescaled randomk: error_feedback: true")
+    lines.append(f"composite: a sparsifier ({', '.join(SPARSIFIERS)}) with quantize: {' | '.join(QUANTIZERS)}")
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""Error feedback: what compression dropped this step is added back to the next step's input."""
+
+from __future__ import annotations
+
+import torch
+
+from compress.payload import Compressor, Payload
+
+
+class ErrorFeedback:
+    """Wraps any compressor; keeps one residual per chunk ``key`` (Seide et al. 2014, Karimireddy et al. 2019).
+
+    ``compress`` sends ``C(x + e)`` and keeps ``e' = x + e - D(C(x + e))``, so the residual plus what was
+    sent always equals the corrected input.
+    """
+
+    def __init__(self, inner: Compressor):
+        self.inner = inner
+        self.linear = inner.linear
+        self.unbiased = False
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
+        residual = self.residuals.get(key)
+        corrected = tensor.float() if residual is None else tensor.float() + residual
+        payload = self.inner.compress(corrected, key, seed)
+        self.residuals[key] = corrected - self.inner.decompress(payload)
+        return payload
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return self.inner.decompress(payload)
+
+    @property
+    def residual_norm(self) -> float:
+        """L2 norm of all residuals together (what is still owed to the model)."""
+        if not self.residuals:
+            return 0.0
+        return float(torch.sqrt(sum(r.float().pow(2).sum() for r in self.residuals.values())))
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(r.numel() * r.element_size() for r in self.residuals.values())
