@@ -180,7 +180,7 @@ class CompressedReduceScatter(ReduceScatter):
         stats.bytes_raw += (world - 1) * rows.shape[1] * 4
         if mover.compressor.linear:
             rows = rows / world  # average on the wire: the sum of fp16 payloads cannot overflow
-            payloads = [mover.compress(rows[d], f"{mover.name}/{d}", seed) for d in range(world)]
+            payloads = [mover.compress(rows[d], f"{mover.name}/{d}", seed + d) for d in range(world)]
             result = mover.decompress([self._reduce_scatter_payloads(payloads, group, rank)], rows.device)
         else:
             payloads = [mover.compress(rows[d], f"{mover.name}/{d}", seed + d) for d in range(world)]

@@ -52,3 +52,11 @@ def test_unknown_method_in_yaml_fails_before_workers_start(tmp_path):
                      "--trainer.accelerator", "cpu", "--trainer.devices", "2", cwd=tmp_path, check=False)
     assert result.returncode != 0 and "Initializing distributed" not in result.stderr
     assert "unknown compression method 'zip'" in result.stderr
+
+
+def test_a_rank_larger_than_the_chunk_matrix_fails_before_the_first_step(tmp_path):
+    result = run_cli("fit", "--trainer.strategy.init_args.compression", "{method: lowrank, rank: 5000}",
+                     "--trainer.accelerator", "cpu", "--trainer.devices", "1", cwd=tmp_path, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lit_fsdp: error:")]
+    assert result.returncode != 0 and len(errors) == 1 and "lower rank" in errors[0], result.stderr[-1500:]
+    assert "Epoch 0" not in result.stdout

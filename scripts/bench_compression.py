@@ -1,0 +1,154 @@
+"""Quality and bytes of every compression method on real text (WikiText-2), 2 processes, fixed steps.
+
+For each method config in ``configs/`` (and several seeds for the main ones) this trains the same
+small GPT-2-shaped model with ``python -m lit_fsdp fit`` and reports: final validation perplexity,
+its change against ``none`` (mean and spread over seeds), the measured compression ratio against
+float32 and bfloat16 gradients (from the communicator's byte counters), and compress + decompress
+time per step. Runs that fail are recorded as failed and the sweep goes on.
+
+    python scripts/bench_compression.py                      # all methods, as in the issue note
+    python scripts/bench_compression.py --methods baseline int8 --seeds 1 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data" / "wikitext2"
+METHODS = [p.stem for p in sorted(REPO.glob("configs/*.yaml")) if "compression:" in p.read_text()]
+MULTI_SEED = ("baseline", "int8", "topk", "lowrank", "topk10_int8")
+
+
+def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dict:
+    """One training run; its final metrics, or ``{"failed": reason}``."""
+    out = root / f"{method}-seed{seed}"
+    command = [
+        sys.executable, "-m", "lit_fsdp", "fit",
+        "--config", str(REPO / "configs" / "quickstart.yaml"),
+        "--config", str(REPO / "configs" / "wikipedia.yaml"),
+        "--config", str(REPO / "configs" / f"{method}.yaml"),
+        "--data.train_path", str(args.data / "train.json"),
+        "--data.val_path", str(args.data / "valid.json"),
+        "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch_size),
+        "--data.seed", str(seed), "--seed_everything", str(seed),
+        "--model.config_overrides", json.dumps({"n_layer": args.layers, "n_embd": args.width, "n_head": 4}),
+        "--model.learning_rate", str(args.lr), "--model.warmup_steps", str(args.steps // 10),
+        "--trainer.max_steps", str(args.steps),
+        "--trainer.val_check_interval", str(args.steps), "--trainer.limit_val_batches", str(args.val_batches),
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
+        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(out),
+        "--trainer.default_root_dir", str(out),
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        return {"method": method, "seed": seed, "failed": (result.stderr.strip().splitlines() or ["?"])[-1]}
+    metrics = last_values(next(out.glob("lightning_logs/version_*/metrics.csv")))
+    record = {
+        "method": method, "seed": seed, "wall_s": time.perf_counter() - start,
+        "val_loss": metrics["val/loss"], "val_ppl": metrics["val/ppl"], "train_loss": metrics["train/loss"],
+        "tokens_per_s": json.loads((out / "throughput.json").read_text())["tokens_per_s"],
+    }
+    compression = out / "compression.json"
+    if compression.exists():
+        report = json.loads(compression.read_text())
+        record.update(
+            ratio_vs_fp32=report["compress/ratio_vs_fp32"], ratio_vs_bf16=report["compress/ratio_vs_bf16"],
+            codec_ms_per_step=1000 * (report["compress_s"] + report["decompress_s"]) / args.steps,
+            config=report["config"],
+        )
+    else:  # no hook: FSDP2's own float32 reduce-scatter
+        record.update(ratio_vs_fp32=1.0, ratio_vs_bf16=0.5, codec_ms_per_step=0.0)
+    return record
+
+
+def last_values(path: Path) -> dict[str, float]:
+    values: dict[str, float] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            values.update({k: float(v) for k, v in row.items() if v and k not in ("epoch", "step")})
+    return values
+
+
+def table(records: list[dict]) -> str:
+    """Markdown: one row per method, perplexity change against the baseline's mean."""
+    ok = [r for r in records if "failed" not in r]
+    # Changes are paired by seed (same init and data order), which removes most seed-to-seed spread.
+    base = {r["seed"]: r["val_ppl"] for r in ok if r["method"] == "baseline"}
+    base_mean = statistics.fmean(base.values()) if base else float("nan")
+    lines = [
+        "| method | seeds | val ppl | change vs none, paired by seed (mean ± sd) | ratio vs fp32 | ratio vs bf16 | codec ms/step | tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method in METHODS:
+        runs = [r for r in ok if r["method"] == method]
+        failed = [r for r in records if r["method"] == method and "failed" in r]
+        if failed and not runs:
+            lines.append(f"| {method} | failed: {failed[0]['failed'][:80]} | | | | | | |")
+            continue
+        if not runs:
+            continue
+        ppl = [r["val_ppl"] for r in runs]
+        if base:
+            change = [100 * (r["val_ppl"] / base.get(r["seed"], base_mean) - 1) for r in runs]
+            spread = statistics.stdev(change) if len(change) > 1 else 0.0
+            change_text = f"{statistics.fmean(change):+.2f}% ± {spread:.2f}"
+        else:
+            change_text = "no baseline run"
+        lines.append(
+            f"| {method} | {len(runs)} | {statistics.fmean(ppl):.2f} | {change_text} "
+            f"| {statistics.fmean(r['ratio_vs_fp32'] for r in runs):.2f}x "
+            f"| {statistics.fmean(r['ratio_vs_bf16'] for r in runs):.2f}x "
+            f"| {statistics.fmean(r['codec_ms_per_step'] for r in runs):.1f} "
+            f"| {statistics.fmean(r['tokens_per_s'] for r in runs):.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--seeds", type=int, default=3, help=f"seeds for {', '.join(MULTI_SEED)}; others run once")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8, help="per process")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--val-batches", type=int, default=40)
+    parser.add_argument("--data", type=Path, default=DATA, help="folder with train.json and valid.json")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_compression")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the table from OUT/results.jsonl")
+    args = parser.parse_args()
+    if args.report_only:
+        records = [json.loads(line) for line in open(args.out / "results.jsonl")]
+        print(table(records))
+        return
+    if not (args.data / "train.json").is_file():
+        sys.exit(f"bench_compression: {args.data / 'train.json'} not found; pass --data FOLDER with train.json and valid.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for method in args.methods:
+        for seed in range(args.seeds if method in MULTI_SEED else 1):
+            record = run_one(method, 1234 + seed, args, args.out)
+            records.append(record)
+            print(json.dumps(record, default=str), flush=True)
+            with open(args.out / "results.jsonl", "a") as f:
+                f.write(json.dumps(record, default=str) + "\n")
+    markdown = table(records)
+    (args.out / "table.md").write_text(markdown + "\n")
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
