@@ -15,7 +15,10 @@ SHARD = 1237  # odd, so chunks and packed bits do not divide evenly
 
 
 def gradient(rank: int, numel: int) -> torch.Tensor:
-    return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank))
+    """Gaussian noise with a few large coordinates shared by all ranks, as heavy-tailed gradients have."""
+    noise = torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank))
+    noise[::61] += 30.0
+    return noise
 
 
 def reduce_scatter(rank: int, world: int, config: dict, op) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -53,7 +56,7 @@ def both_ops(rank: int, world: int, config: dict) -> list:
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "none"])
 def test_every_method_reduce_scatters_to_a_finite_estimate_of_the_sum_or_mean(tmp_path, method):
     config = {"method": method, **({"ratio": 0.3} if method in ("topk", "randomk") else {})}
-    minimum_cosine = {"qsgd": 0.7, "topk": 0.8, "randomk": 0.2, "sketch": 0.05, "signsgd": 0.6, "onebit": 0.6}
+    minimum_cosine = {"qsgd": 0.7, "topk": 0.8, "randomk": 0.2, "sketch": 0.05, "signsgd": 0.25, "onebit": 0.25}
     for per_op in run(both_ops, tmp_path, config):
         for out, reference, stats in per_op:
             assert out.shape == reference.shape and torch.isfinite(out).all()
@@ -76,9 +79,10 @@ def all_reduce(rank: int, world: int, method: str) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("method", ["fp16", "int8"])  # a native all-reduce and an all-gather of payloads
 def test_replicate_all_reduce_averages_across_ranks(tmp_path, method):
     results = run(all_reduce, tmp_path, method)
+    tolerance = 0.05 if method == "fp16" else 30.5 / 127  # int8: half a step of the spikes' scale, per rank
     for out, reference in results:
-        torch.testing.assert_close(out, reference, rtol=0, atol=0.05)
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0.05)
+        torch.testing.assert_close(out, reference, rtol=0, atol=tolerance)
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=tolerance)
 
 
 def test_non_finite_values_are_counted_and_not_sent(tmp_path):
