@@ -1,0 +1,29 @@
+"""The measuring callbacks on a real 2-process int8 run: one plausible results.jsonl record."""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers import REPO, fit
+
+REQUIRED = (
+    "run_name world_size model dataset max_length batch_size compress_method compress_config seed "
+    "step_time_ms_mean step_time_ms_p50 step_time_ms_p90 tokens_per_s comm_time_ms_total comm_ratio "
+    "comm_time_ms_by_op bytes_raw_total bytes_compressed_total compression_ratio train_loss val_loss val_ppl"
+).split()
+
+
+def test_an_int8_run_appends_one_record_with_plausible_figures(tmp_path):
+    fit(tmp_path, "--config", str(REPO / "configs" / "int8.yaml"), "--trainer.limit_val_batches", "2",
+        "--trainer.val_check_interval", "8", steps=8)
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 1
+    record = records[0]
+    assert set(REQUIRED) <= set(record)
+    assert (record["world_size"], record["compress_method"], record["model"]) == (2, "int8", "gpt2-tiny")
+    assert record["step_time_ms_p90"] >= record["step_time_ms_p50"] > 0 and record["tokens_per_s"] > 0
+    assert 3.5 < record["compression_ratio"] < 4.0  # int8 + per-chunk scales + headers, against fp32
+    assert record["bytes_compressed_total"] < record["bytes_raw_total"]
+    assert record["val_ppl"] > 1 and record["peak_rss_gb"] > 0
+    environment = json.loads((tmp_path / "environment.json").read_text())
+    assert environment["world_size"] == 2 and environment["packages"]["torch"]
