@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -76,7 +77,7 @@ class Results(pl.Callback):
             "batch_size": getattr(datamodule, "batch_size", None),
             "compress_method": method,
             "compress_config": None if compression is None else vars(compression),
-            "seed": torch.initial_seed(),
+            "seed": int(os.environ["PL_GLOBAL_SEED"]) if "PL_GLOBAL_SEED" in os.environ else None,  # seed_everything
             "steps": trainer.global_step,
             "train_loss": _metric(trainer, "train/loss"),
             "val_loss": _metric(trainer, "val/loss"),

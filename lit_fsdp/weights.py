@@ -100,7 +100,8 @@ def init_by_unit(
         if id(module) not in in_blocks and any(True for _ in module.parameters(recurse=False))
     ]
     done: set[int] = set()
-    with torch.no_grad():
+    # fork_rng: per-unit seeding must not leave the global generator in a state that depends on the model.
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for unit_name, modules in work:
             owners = [(m, pname, param) for m in modules for pname, param in m.named_parameters(recurse=False)]
             for module, pname, param in owners:

@@ -21,6 +21,7 @@ def test_an_int8_run_appends_one_record_with_plausible_figures(tmp_path):
     record = records[0]
     assert set(REQUIRED) <= set(record)
     assert (record["world_size"], record["compress_method"], record["model"]) == (2, "int8", "gpt2-tiny")
+    assert record["seed"] == 1234  # the quickstart's seed_everything
     assert record["step_time_ms_p90"] >= record["step_time_ms_p50"] > 0 and record["tokens_per_s"] > 0
     assert 3.5 < record["compression_ratio"] < 4.0  # int8 + per-chunk scales + headers, against fp32
     assert record["bytes_compressed_total"] < record["bytes_raw_total"]
