@@ -34,6 +34,7 @@ class Memory(pl.Callback):
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def reading(self, device: torch.device) -> dict[str, float]:
+        """Peaks so far: both sources only ever grow (CUDA's since ``on_train_start``), so the last reading is the run's."""
         values = {"memory/peak_rss_gb": peak_rss_bytes() / _GIB}
         if device.type == "cuda":
             values["memory/peak_allocated_gb"] = torch.cuda.max_memory_allocated(device) / _GIB
@@ -43,11 +44,9 @@ class Memory(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step % self.every_n_steps or trainer.fit_loop._should_accumulate():
             return
-        values = self.reading(pl_module.device)
-        self.peaks = {key: max(value, self.peaks.get(key, 0.0)) for key, value in values.items()}
+        self.peaks = self.reading(pl_module.device)
         for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
+            logger.log_metrics(self.peaks, step=trainer.global_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        values = self.reading(pl_module.device)
-        self.peaks = {key: max(value, self.peaks.get(key, 0.0)) for key, value in values.items()}
+        self.peaks = self.reading(pl_module.device)

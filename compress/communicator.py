@@ -18,6 +18,7 @@ reduced shard across replicas, natively for linear payloads and by ``all_gather`
 from __future__ import annotations
 
 import json
+import math
 import time
 import zlib
 from dataclasses import dataclass, fields
@@ -94,10 +95,7 @@ def deserialize(buffer: torch.Tensor, numel: int) -> Payload:
     tensors = {}
     for name, dtype_name, shape in layout["t"]:
         dtype = getattr(torch, dtype_name)
-        count = 1
-        for size in shape:
-            count *= size
-        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         # A copy: a slice at an odd byte offset cannot be viewed as a wider dtype.
         tensors[name] = buffer[offset : offset + nbytes].clone().view(dtype).view(shape)
         offset += nbytes
@@ -180,12 +178,11 @@ class CompressedReduceScatter(ReduceScatter):
         stats.bytes_raw += (world - 1) * rows.shape[1] * 4
         if mover.compressor.linear:
             rows = rows / world  # average on the wire: the sum of fp16 payloads cannot overflow
-            payloads = [mover.compress(rows[d], f"{mover.name}/{d}", seed + d) for d in range(world)]
+        payloads = [mover.compress(rows[d], f"{mover.name}/{d}", seed + d) for d in range(world)]
+        if mover.compressor.linear:
             result = mover.decompress([self._reduce_scatter_payloads(payloads, group, rank)], rows.device)
         else:
-            payloads = [mover.compress(rows[d], f"{mover.name}/{d}", seed + d) for d in range(world)]
-            received = self._all_to_all(payloads, group, rank, rows.shape[1])
-            result = mover.decompress(received, rows.device)
+            result = mover.decompress(self._all_to_all(payloads, group, rank, rows.shape[1]), rows.device)
         output_tensor.copy_(_apply_op(result, op, world, prescaled=mover.compressor.linear))
         return None
 

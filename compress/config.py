@@ -108,17 +108,12 @@ class CompressionConfig:
         if foreign:
             raise ValueError(f"compression parameter {foreign[0]} does not apply to method {self.method!r}; "
                              f"it takes {', '.join(method.defaults) or 'no parameters'}")
-        compressor = method.build(**self.parameters())
-        if self.method in _RANDOMISED:
-            compressor.salt = rank
+        compressor = _build(self.method, self.parameters(), rank)
         if self.quantize is not None:
             if self.method not in SPARSIFIERS or self.quantize not in QUANTIZERS:
                 raise ValueError(f"quantize: {self.quantize!r} composes a sparsifier ({', '.join(SPARSIFIERS)}) with a "
                                  f"quantiser ({', '.join(QUANTIZERS)}); got method {self.method!r}")
-            quantizer = METHODS[self.quantize].build(**METHODS[self.quantize].defaults)
-            if self.quantize in _RANDOMISED:
-                quantizer.salt = rank
-            compressor = Sparsified(compressor, quantizer)
+            compressor = Sparsified(compressor, _build(self.quantize, METHODS[self.quantize].defaults, rank))
         if self.error_feedback:
             if not method.feedback or (self.method == "randomk" and self.parameters()["rescale"]):
                 raise ValueError(f"error_feedback needs a biased method; {self.method!r} is "
@@ -131,6 +126,14 @@ class CompressionConfig:
         if name not in METHODS:
             raise ValueError(f"unknown compression {where} {name!r}; choose one of {', '.join(METHODS)}")
         return METHODS[name]
+
+
+def _build(name: str, parameters: dict[str, Any], rank: int) -> Compressor:
+    """Method ``name`` with ``parameters``; methods with private randomness draw it salted by ``rank``."""
+    compressor = METHODS[name].build(**parameters)
+    if name in _RANDOMISED:
+        compressor.salt = rank
+    return compressor
 
 
 def describe_methods() -> str:

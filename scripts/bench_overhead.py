@@ -33,7 +33,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from callbacks.throughput import percentile  # noqa: E402
+from callbacks.throughput import Throughput  # noqa: E402
 from lit_fsdp.presets import PRESETS, build_config  # noqa: E402
 
 
@@ -84,18 +84,11 @@ def plain_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> No
         seconds.append(now - start)
         start = now
     if rank == 0:
-        Path(out).write_text(json.dumps(summarise(seconds[args.warmup :], args)))
+        # The same statistics code as the fit side's Throughput callback, over the same steps.
+        timer = Throughput(warmup_steps=args.warmup)
+        timer.step_seconds, timer.tokens_per_step = seconds, args.batch_size * args.seq_len * args.devices
+        Path(out).write_text(json.dumps(timer.summary()))
     dist.destroy_process_group()
-
-
-def summarise(seconds: list[float], args: argparse.Namespace) -> dict[str, float]:
-    tokens_per_step = args.batch_size * args.seq_len * args.devices
-    ms = [s * 1000 for s in seconds]
-    return {
-        "tokens_per_s": tokens_per_step * len(seconds) / sum(seconds),
-        "step_time_ms_mean": statistics.fmean(ms),
-        "step_time_ms_p50": percentile(ms, 50),
-    }
 
 
 def run_plain(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
