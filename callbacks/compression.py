@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
+from callbacks.run_folder import log_metrics, write_json
 from compress.hook import GradientCompression
 
 
@@ -37,17 +36,29 @@ class CompressionStats(pl.Callback):
         metrics = {f"compress/{key}": value for key, value in step.items() if key != "calls"}
         metrics.update(summarise(step))
         metrics.update(memory_metrics(hook))
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         hook = self._hook(trainer)
-        if hook is None or not trainer.is_global_zero:
+        if hook is None:
             return
         report = {"method": hook.config.method, "config": vars(hook.config), **self.totals, **summarise(self.totals)}
         report.update(memory_metrics(hook))
-        Path(trainer.default_root_dir).mkdir(parents=True, exist_ok=True)
-        (Path(trainer.default_root_dir) / "compression.json").write_text(json.dumps(report, indent=2, default=str))
+        write_json(trainer, "compression.json", report)
+
+    def summary(self) -> dict[str, Any]:
+        """Run totals for the results record; empty when no compression hook ran (the ``none`` method)."""
+        totals = self.totals
+        if not totals:
+            return {}
+        ratios = summarise(totals)
+        return {
+            "bytes_raw_total": totals["bytes_raw"], "bytes_compressed_total": totals["bytes_sent"],
+            "compression_ratio": ratios.get("compress/ratio_vs_fp32"),
+            "compress_time_ms": 1000 * totals["compress_s"], "decompress_time_ms": 1000 * totals["decompress_s"],
+            "extra_collectives": totals["extra_collectives"], "nonfinite": totals["nonfinite"],
+            "index_share": ratios.get("compress/index_share"),
+        }
 
 
 def summarise(counters: dict[str, float]) -> dict[str, float]:

@@ -9,6 +9,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from callbacks.run_folder import log_metrics
+
 _GIB = 2**30
 
 
@@ -45,8 +47,11 @@ class Memory(pl.Callback):
         if trainer.global_step % self.every_n_steps or trainer.fit_loop._should_accumulate():
             return
         self.peaks = self.reading(pl_module.device)
-        for logger in trainer.loggers:
-            logger.log_metrics(self.peaks, step=trainer.global_step)
+        log_metrics(trainer, self.peaks)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.peaks = self.reading(pl_module.device)
+
+    def summary(self) -> dict[str, float]:
+        """The run's peaks, for the results record (``peak_rss_gb`` and, on GPUs, ``peak_allocated_gb``, ``peak_reserved_gb``)."""
+        return {key.removeprefix("memory/"): value for key, value in self.peaks.items()}

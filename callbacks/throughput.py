@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from callbacks.run_folder import log_metrics, write_json
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -85,8 +85,5 @@ class Throughput(pl.Callback):
         summary = self.summary()
         if not summary:
             return
-        for logger in trainer.loggers:
-            logger.log_metrics({f"perf/{key}": value for key, value in summary.items()}, step=trainer.global_step)
-        if trainer.is_global_zero:
-            Path(trainer.default_root_dir).mkdir(parents=True, exist_ok=True)
-            (Path(trainer.default_root_dir) / "throughput.json").write_text(json.dumps(summary, indent=2))
+        log_metrics(trainer, {f"perf/{key}": value for key, value in summary.items()})
+        write_json(trainer, "throughput.json", summary)
