@@ -14,6 +14,12 @@ import lightning.pytorch as pl
 _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def compression_method(trainer: pl.Trainer) -> str:
+    """The strategy's gradient compression method; ``none`` without a compression config."""
+    compression = getattr(trainer.strategy, "compression", None)
+    return "none" if compression is None else compression.method
+
+
 def run_name(trainer: pl.Trainer) -> str:
     """The run's name, fixed at its first use: a callback's ``run_name``, the logger's name, or method-world-seed-time.
 
@@ -23,8 +29,7 @@ def run_name(trainer: pl.Trainer) -> str:
     if trainer not in _NAMES:
         given = [getattr(cb, "run_name", None) for cb in trainer.callbacks]
         logger_name = next((lg._wandb_init.get("name") for lg in trainer.loggers if hasattr(lg, "_wandb_init")), None)
-        compression = getattr(trainer.strategy, "compression", None)
-        method = compression.method if compression is not None else "none"
+        method = compression_method(trainer)
         seed = os.environ.get("PL_GLOBAL_SEED", "none")  # set by seed_everything
         default = f"{method}-w{trainer.world_size}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
         _NAMES[trainer] = next((name for name in given if name), None) or logger_name or default
@@ -51,7 +56,7 @@ def append_jsonl(trainer: pl.Trainer, filename: str, record: dict[str, Any]) -> 
             f.write(json.dumps(record, default=str) + "\n")
 
 
-def log_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
-    """``metrics`` to every logger at the current optimizer step."""
+def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
+    """``metrics`` to every logger at ``step`` (default: the current optimizer step)."""
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
+        logger.log_metrics(metrics, step=trainer.global_step if step is None else step)
