@@ -11,7 +11,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from callbacks.run_folder import append_jsonl, run_name, write_json
+from callbacks.run_folder import append_jsonl, compression_method, run_name, write_json
+from lit_fsdp.wandb_logger import publish_summary
 
 _PACKAGES = ("torch", "lightning", "transformers", "torchmetrics", "jsonargparse", "wandb")
 
@@ -57,7 +58,7 @@ class Results(pl.Callback):
 
     def record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         compression = getattr(trainer.strategy, "compression", None)
-        method = compression.method if compression is not None else "none"
+        method = compression_method(trainer)
         datamodule = trainer.datamodule
         record: dict[str, Any] = {
             "run_name": run_name(trainer),
@@ -85,4 +86,6 @@ class Results(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Computed on every rank (callbacks may gather across ranks in summary()); written by rank 0.
-        append_jsonl(trainer, "results.jsonl", self.record(trainer, pl_module))
+        record = self.record(trainer, pl_module)
+        append_jsonl(trainer, "results.jsonl", record)
+        publish_summary(trainer, record)

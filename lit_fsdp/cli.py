@@ -7,12 +7,15 @@ import os
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from callbacks.run_folder import compression_method, run_name
 from lit_fsdp.data.blocks import BlockDataModule
 from lit_fsdp.model import CausalLM
 from lit_fsdp.strategy import FSDP2Strategy
+from lit_fsdp.wandb_logger import SaveConfig, WandbLogger
 
 TRAINER_DEFAULTS = {
     "strategy": {"class_path": "lit_fsdp.strategy.FSDP2Strategy"},
+    "logger": {"class_path": "lit_fsdp.wandb_logger.WandbLogger"},
     "max_steps": 200,
     "val_check_interval": 100,
     "check_val_every_n_epoch": None,
@@ -48,6 +51,11 @@ class LitFsdpCLI(LightningCLI):
         for callback in self.trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = os.path.realpath(os.path.join(self.trainer.default_root_dir, "checkpoints"))
+        # W&B's name is the results.jsonl record's; a tag per method makes runs easy to filter.
+        for logger in self.trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                tags = [compression_method(self.trainer)]
+                logger.use_run(self.trainer.default_root_dir, run_name(self.trainer), tags=tags)
 
     before_fit = before_validate = before_test = before_predict = _preflight
 
@@ -59,6 +67,7 @@ def run(args: list[str] | None = None) -> LitFsdpCLI:
         subclass_mode_data=True,
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=1234,
+        save_config_callback=SaveConfig,
         save_config_kwargs={"overwrite": True},
         args=args,
     )

@@ -1,0 +1,148 @@
+"""Weights & Biases, the default logger: offline unless the user has set W&B up, its files in the run folder.
+
+``SaveConfig`` puts the resolved config in the run folder and in every W&B run; ``publish_summary`` puts
+the run's results record in every W&B run's summary.
+"""
+
+from __future__ import annotations
+
+import configparser
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import lightning.pytorch as pl
+import yaml
+from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
+
+# W&B's cloud, whose `wandb login` key is stored under either name (recent wandb's default base URL is the second).
+_CLOUD_HOSTS = ("api.wandb.ai", "api.forge.coreweave.com")
+
+
+def _wandb_settings() -> configparser.SectionProxy:
+    """W&B's settings files, the folder's over the user's: ``~/.config/wandb/settings`` (``wandb login --host``)
+    and ``./wandb/settings`` (``wandb offline``, ``wandb online``)."""
+    settings = configparser.ConfigParser(interpolation=None)
+    user = Path(os.environ.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser() / "settings"
+    folder = Path(os.environ.get("WANDB_DIR") or ".") / "wandb" / "settings"
+    try:
+        settings.read([user, folder])
+    except configparser.Error:
+        pass  # W&B itself warns about a malformed file; here it only means "no settings"
+    if not settings.has_section("default"):
+        settings.add_section("default")
+    return settings["default"]
+
+
+def _netrc_has_key(hosts: set[str]) -> bool:
+    """Whether the netrc file W&B reads (``$NETRC`` or ``~/.netrc``) holds a password for one of ``hosts``."""
+    path = Path(os.environ.get("NETRC") or "~/.netrc").expanduser()
+    try:
+        entries = netrc.netrc(str(path))
+    except (OSError, netrc.NetrcParseError):  # missing or unreadable: W&B would not find a key there either
+        return False
+    return any((entry := entries.authenticators(host)) and entry[2] for host in hosts)
+
+
+def offline_by_default() -> bool:
+    """True unless the user has set W&B up, read from the environment and files only (no network).
+
+    Set up means: ``WANDB_MODE`` in the environment or a ``mode`` in W&B's settings files (W&B's own rules
+    then decide), ``WANDB_API_KEY`` or ``WANDB_IDENTITY_TOKEN_FILE`` set, an ``api_key`` in the settings
+    files, or a ``wandb login`` key in the netrc file for ``WANDB_BASE_URL``, the settings' ``base_url`` or W&B's cloud.
+    """
+    settings = _wandb_settings()
+    if os.environ.get("WANDB_MODE") or settings.get("mode"):
+        return False
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or settings.get("api_key"):
+        return False
+    urls = (os.environ.get("WANDB_BASE_URL"), settings.get("base_url"))
+    hosts = {urlsplit(url).hostname for url in urls if url} | set(_CLOUD_HOSTS)
+    return not _netrc_has_key({host for host in hosts if host})
+
+
+class WandbLogger(LightningWandbLogger):
+    """Weights & Biases: offline unless W&B is set up (``wandb sync`` uploads later); files in the run folder."""
+
+    def __init__(
+        self,
+        run_name: str | None = None,
+        project: str | None = None,
+        group: str | None = None,
+        tags: list[str] | None = None,
+        notes: str | None = None,
+        dir: str | None = None,
+        offline: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """
+        Args:
+            run_name: W&B run name; default: the run's name in results.jsonl (method, world size, seed, time).
+            project: W&B project; default: ``$WANDB_PROJECT`` or ``lit_fsdp``.
+            group: W&B group, e.g. one per sweep or comparison.
+            tags: W&B tags; default: the compression method.
+            notes: A longer description of the run.
+            dir: Folder that gets W&B's ``wandb/`` folder; default: the run folder (``trainer.default_root_dir``).
+            offline: Log to local files only (upload later with ``wandb sync``); default: offline unless
+                ``mode``, ``WANDB_MODE``, ``WANDB_API_KEY`` or a ``wandb login`` key is set.
+        """
+        # Not `name`/`save_dir` (Lightning's spelling): jsonargparse keeps the default logger's init_args that
+        # a class chosen by --trainer.logger also takes, and CSVLogger/TensorBoardLogger would get name=None
+        # (no lightning_logs/ folder) and save_dir=None (by design, omni-us/jsonargparse#460).
+        if offline is None:  # wandb.init's own `mode`, when given, decides like WANDB_MODE
+            offline = kwargs.get("mode") is None and offline_by_default()
+        if offline and kwargs.get("log_model"):
+            raise ValueError(
+                f"--trainer.logger.init_args.log_model {kwargs['log_model']} uploads checkpoints but W&B is offline: "
+                "run `wandb login` or set WANDB_API_KEY, or set --trainer.logger.init_args.offline false"
+            )
+        # The CLI passes every wandb.init argument, None when unset: resume=None would undo Lightning's "allow".
+        kwargs = {key: value for key, value in kwargs.items() if value is not None}
+        super().__init__(
+            name=run_name, project=project or os.environ.get("WANDB_PROJECT", "lit_fsdp"), group=group, tags=tags,
+            notes=notes, save_dir=None, dir=dir, offline=offline, **kwargs,
+        )
+        if self._wandb_init.get("anonymous") is None:
+            # Lightning always passes it; wandb warns on any value since anonymous mode went (wandb/wandb#10909).
+            del self._wandb_init["anonymous"]
+
+    def use_run(self, folder: str, name: str, tags: list[str]) -> None:
+        """Fill what the config left unset: W&B's files in the run ``folder``, the run's ``name``, its ``tags``.
+
+        The CLI calls it on every rank before workers start (the logger is built before the trainer knows
+        its folder) and before the W&B run exists; only rank 0 ever starts one (``rank_zero_experiment``).
+        """
+        if self._save_dir is None:
+            self._save_dir = self._wandb_init["dir"] = os.path.abspath(folder)
+            os.makedirs(self._save_dir, exist_ok=True)  # W&B falls back to a temp folder if it is missing
+        if not self._wandb_init.get("name"):
+            self._name = self._wandb_init["name"] = name
+        if self._wandb_init.get("tags") is None:
+            self._wandb_init["tags"] = tags
+
+
+class SaveConfig(SaveConfigCallback):
+    """LightningCLI's ``config.yaml`` in ``trainer.log_dir``, a copy in the run folder, and the config in each W&B run."""
+
+    def save_config(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Rank 0 only. With a CSV or TensorBoard logger log_dir is a version folder, so the run folder gets its
+        # own copy; it is always overwritten (the last run's config, as checkpoints/last.ckpt is the last state).
+        path = os.path.join(trainer.default_root_dir, self.config_filename)
+        os.makedirs(trainer.default_root_dir, exist_ok=True)
+        self.parser.save(self.config, path, skip_none=False, overwrite=True, multifile=self.multifile)
+        wandb_loggers = [logger for logger in trainer.loggers if isinstance(logger, LightningWandbLogger)]
+        if wandb_loggers:
+            config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+            for logger in wandb_loggers:
+                logger.experiment.config.update(config, allow_val_change=True)
+
+
+def publish_summary(trainer: pl.Trainer, record: dict[str, Any]) -> None:
+    """Rank 0 puts ``record`` (the run's results.jsonl line) in the summary of each W&B run of the trainer."""
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            if isinstance(logger, LightningWandbLogger):
+                logger.experiment.summary.update(record)
