@@ -1,4 +1,4 @@
-"""Tokens/s and step-time percentiles per optimizer step, warm-up steps discarded."""
+"""Tokens/s, samples/s, step-time percentiles and MFU per optimizer step, warm-up steps discarded."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from transformers import PretrainedConfig
 
+from callbacks.device_peaks import matmul_format, peak_tflops
 from callbacks.run_folder import log_metrics, write_json
+from lit_fsdp.flops import flops_per_token, matmul_shape, recompute_flops_per_token
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -21,24 +25,51 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def compute_dtype(trainer: pl.Trainer) -> torch.dtype:
+    """The dtype the matmuls run in: the FSDP2 strategy's resolved ``param_dtype``, else the trainer's precision."""
+    strategy = trainer.strategy
+    if hasattr(strategy, "resolve_dtype"):
+        return strategy.resolve_dtype(strategy.param_dtype)
+    precision = str(trainer.precision)  # "bf16-mixed", "16-mixed", "32-true", ...
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    return torch.float16 if precision.startswith("16") else torch.float32
+
+
 class Throughput(pl.Callback):
-    """Times each optimizer step (device-synchronised) and reports tokens/s and step-time statistics.
+    """Times each optimizer step (device-synchronised) and reports tokens/s, samples/s, step-time statistics and MFU.
 
     A step's time runs from the end of the previous step (or the start of training) to its own end,
     so time spent between steps, in data loading or logging, is counted.
+
+    MFU is ``flops_per_token x tokens/s per device / peak``: FLOPs from the model's config
+    (``lit_fsdp.flops``, activation-checkpointing recompute not counted; ``hfu`` counts it) and the
+    peak of the GPU at the strategy's ``param_dtype`` (``callbacks.device_peaks``) or ``peak_tflops``.
+    Without a known peak (CPU, an unlisted GPU) MFU is null and rank 0 warns once.
 
     The figures are logged as ``perf/*`` at the end of fit and written by rank 0 to
     ``<default_root_dir>/throughput.json``.
     """
 
-    def __init__(self, warmup_steps: int = 5):
+    def __init__(self, warmup_steps: int = 5, peak_tflops: float | None = None):
         """
         Args:
             warmup_steps: Optimizer steps left out of the statistics (compilation, allocator and cache warm-up).
+            peak_tflops: Peak TFLOPS of one device for MFU, instead of the built-in GPU table (needed on CPU
+                or an unlisted GPU).
         """
+        if peak_tflops is not None and peak_tflops <= 0:
+            raise ValueError(f"Throughput peak_tflops={peak_tflops} must be > 0 (TFLOPS of one device), or null")
         self.warmup_steps = warmup_steps
+        self.peak_tflops = peak_tflops
         self.step_seconds: list[float] = []
         self.tokens_per_step = 0
+        self.samples_per_step = 0
+        self.seq_len = 0
+        self.world_size = 1
+        self.checkpoint_every = 0
+        self.model_config: PretrainedConfig | None = None
+        self.peak = peak_tflops  # the given peak, or the table's once training starts
         self._start = 0.0
         self._new_step = True
 
@@ -48,13 +79,40 @@ class Throughput(pl.Callback):
             torch.cuda.synchronize(device)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.world_size = trainer.world_size
+        self.checkpoint_every = getattr(trainer.strategy, "activation_checkpointing", 0)
+        config = getattr(getattr(pl_module, "model", None), "config", None)
+        self.model_config, problems = None, []
+        if not isinstance(config, PretrainedConfig):
+            problems.append(f"{type(pl_module).__name__}.model has no Hugging Face config to count FLOPs from")
+        else:
+            try:
+                matmul_shape(config)
+                self.model_config = config
+            except ValueError as error:
+                problems.append(str(error))
+        self.peak = self.peak_tflops
+        if self.peak is None:
+            device = pl_module.device
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+            dtype = compute_dtype(trainer)
+            self.peak = peak_tflops(name, dtype)
+            if self.peak is None:
+                problems.append(
+                    f"no peak for {name!r} in {matmul_format(dtype)}; set the callback's init_args.peak_tflops "
+                    "(TFLOPS of one device)"
+                )
+        if problems:
+            rank_zero_warn(f"Throughput: MFU is null: {'; '.join(problems)}")
         self._sync(pl_module.device)
         self._start = time.perf_counter()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._new_step:
-            self.tokens_per_step, self._new_step = 0, False
-        self.tokens_per_step += batch["input_ids"].numel() * trainer.world_size
+            self.tokens_per_step, self.samples_per_step, self._new_step = 0, 0, False
+        samples, self.seq_len = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
+        self.tokens_per_step += samples * self.seq_len * trainer.world_size
+        self.samples_per_step += samples * trainer.world_size
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.fit_loop._should_accumulate():
@@ -65,25 +123,37 @@ class Throughput(pl.Callback):
         self.step_seconds.append(now - self._start)
         self._start, self._new_step = now, True
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
         """Statistics over the steps after warm-up (all steps if there are no more than the warm-up)."""
         steps = self.step_seconds[self.warmup_steps :] or self.step_seconds
         if not steps:
             return {}
         ms = [s * 1000 for s in steps]
-        return {
+        tokens_per_s = self.tokens_per_step * len(steps) / sum(steps)
+        summary = {
             "steps_measured": len(steps),
             "step_time_ms_mean": statistics.fmean(ms),
             "step_time_ms_p50": percentile(ms, 50),
             "step_time_ms_p90": percentile(ms, 90),
             "step_time_ms_p95": percentile(ms, 95),
             "tokens_per_step": self.tokens_per_step,
-            "tokens_per_s": self.tokens_per_step * len(steps) / sum(steps),
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": self.samples_per_step * len(steps) / sum(steps) if self.samples_per_step else None,
+            "flops_per_token": None, "peak_tflops": self.peak, "mfu": None, "hfu": None,
         }
+        if self.model_config is not None and self.seq_len:
+            model_flops = flops_per_token(self.model_config, self.seq_len)
+            summary["flops_per_token"] = model_flops
+            if self.peak is not None:
+                per_device = tokens_per_s / self.world_size / (self.peak * 1e12)
+                recompute = recompute_flops_per_token(self.model_config, self.seq_len, self.checkpoint_every)
+                summary["mfu"] = model_flops * per_device
+                summary["hfu"] = (model_flops + recompute) * per_device
+        return summary
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         summary = self.summary()
         if not summary:
             return
-        log_metrics(trainer, {f"perf/{key}": value for key, value in summary.items()})
+        log_metrics(trainer, {f"perf/{key}": value for key, value in summary.items() if value is not None})
         write_json(trainer, "throughput.json", summary)

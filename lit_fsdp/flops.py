@@ -1,0 +1,81 @@
+"""Training FLOPs per token from a Hugging Face config: the numerator of MFU.
+
+The count is analytic (PaLM, appendix B; torchtitan's ``get_num_flop_per_token``): a matrix of ``n``
+weights costs ``2n`` FLOPs per token forward and ``4n`` backward (gradients of its input and of its
+weight), and attention's two score/value products cost ``2 x 2 x seq_len x width`` forward per
+token and layer, where width is heads x head_dim, so training costs
+
+    6 x (matmul weights of the blocks + the LM head) + 12 x layers x width x seq_len.
+
+What counts: every weight matrix in the blocks and the LM head, which is a matmul even when it shares
+its weight with the embedding. What does not: the embedding lookups (token and position; an index,
+not a matmul), biases, norms, activations, softmax and the optimizer (elementwise, a few FLOPs per
+value), and attention's causal mask (the full ``seq_len x seq_len`` product is counted, as PaLM does).
+The recompute of activation checkpointing is not in this count either: MFU counts the FLOPs the
+model needs, whatever the hardware repeats (that repeat is ``recompute_flops_per_token``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+SUPPORTED = ("gpt2", "llama")
+
+
+@dataclass(frozen=True)
+class MatmulShape:
+    """What the FLOP count needs from a decoder-only transformer's config."""
+
+    layers: int
+    block_weights: int  # weights of the matrices in one block
+    attention_width: int  # query heads x head_dim: the inner size of QK^T and of AV
+    head_weights: int  # the LM head: vocab x hidden
+    last_weights: int  # the block's last matrix (the MLP's down projection), not recomputed by checkpointing
+
+
+def matmul_shape(config: PretrainedConfig) -> MatmulShape:
+    """The matmul sizes of a GPT-2 or Llama config."""
+    if config.model_type == "gpt2":
+        hidden = config.n_embd
+        inner = config.n_inner or 4 * hidden
+        # c_attn (Q, K, V) and c_proj, then the MLP's c_fc and c_proj.
+        block = 3 * hidden * hidden + hidden * hidden + 2 * hidden * inner
+        return MatmulShape(config.n_layer, block, hidden, config.vocab_size * hidden, inner * hidden)
+    if config.model_type == "llama":
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        kv_heads = config.num_key_value_heads or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        # q_proj and o_proj at full width, k_proj and v_proj at the grouped (GQA) width; the gated
+        # MLP has three matrices (gate, up, down).
+        attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        block = attention + 3 * hidden * config.intermediate_size
+        width, down = heads * head_dim, config.intermediate_size * hidden
+        return MatmulShape(config.num_hidden_layers, block, width, config.vocab_size * hidden, down)
+    raise ValueError(
+        f"no analytic FLOP count for model_type {config.model_type!r}; supported: {', '.join(SUPPORTED)}"
+    )
+
+
+def flops_per_token(config: PretrainedConfig, seq_len: int) -> int:
+    """Training (forward + backward) FLOPs per token at sequence length ``seq_len``, without recompute."""
+    shape = matmul_shape(config)
+    weights = shape.layers * shape.block_weights + shape.head_weights
+    return 6 * weights + 12 * shape.layers * shape.attention_width * seq_len
+
+
+def recompute_flops_per_token(config: PretrainedConfig, seq_len: int, checkpoint_every: int) -> int:
+    """FLOPs per token that activation checkpointing adds: the forward of every ``checkpoint_every``-th block again.
+
+    0 when checkpointing is off. Blocks 0, k, 2k, ... are checkpointed (``lit_fsdp.parallelize``).
+    Non-reentrant checkpointing stops recomputing once the last tensor backward needs is back
+    (``torch.utils.checkpoint.set_checkpoint_early_stop``, on by default): the block's last matmul,
+    whose output only joins the residual sum, is not run again.
+    """
+    if checkpoint_every <= 0:
+        return 0
+    shape = matmul_shape(config)
+    checkpointed = -(-shape.layers // checkpoint_every)
+    return checkpointed * (2 * (shape.block_weights - shape.last_weights) + 4 * shape.attention_width * seq_len)

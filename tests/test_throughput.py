@@ -1,0 +1,141 @@
+"""MFU: the analytic FLOP count against torch's FLOP counter, the GPU peak table, and MFU in a real run."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM
+
+from callbacks.device_peaks import peak_tflops
+from callbacks.throughput import Throughput
+from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
+from lit_fsdp.parallelize import apply_activation_checkpointing, find_blocks
+from lit_fsdp.presets import build_config
+from tests.helpers import fit
+
+SEQ_LEN = 64
+CONFIGS = {
+    "gpt2-tiny": build_config("gpt2-tiny"),
+    "llama-tiny": build_config("llama-tiny"),  # grouped-query attention, tied head
+    # Untied head, and attention wider than the residual stream (4 heads x 32 > 64).
+    "llama-tiny-untied-wide": build_config("llama-tiny", {"tie_word_embeddings": False, "head_dim": 32}),
+}
+
+
+def counted_flops_per_token(config, checkpoint_every: int = 0) -> float:
+    """FlopCounterMode's count for one forward + backward of the HF model on CPU, per token."""
+    # Eager attention: CPU's fused SDPA kernel has no FLOP formula and would count as 0.
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.config.use_cache = False  # as CausalLM sets it: a cache would grow again in the recompute
+    if checkpoint_every:
+        apply_activation_checkpointing(model, find_blocks(model), checkpoint_every)
+    tokens = torch.randint(0, config.vocab_size, (2, SEQ_LEN + 1))
+    with FlopCounterMode(display=False) as counter:
+        logits = model(input_ids=tokens[:, :-1]).logits
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return counter.get_total_flops() / tokens[:, :-1].numel()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_flops_per_token_matches_torch_flop_counter_on_forward_and_backward(name):
+    # The counter sees every matmul (linear, bmm); what the analytic count leaves out (norms, softmax,
+    # biases, the embedding lookup) it does not count either, so the two agree exactly today; the
+    # slack covers small matmuls a model version might add (e.g. rotary frequency tables).
+    config = CONFIGS[name]
+    assert flops_per_token(config, SEQ_LEN) == pytest.approx(counted_flops_per_token(config), rel=1e-3)
+
+
+def test_gpt2_tiny_flops_per_token_by_hand():
+    # 2 layers x (4 x 64^2 attention + 2 x 64 x 256 MLP) + the 512 x 64 head, times 6; plus 12 x 2 x 64 x 128.
+    assert flops_per_token(CONFIGS["gpt2-tiny"], 128) == 6 * (2 * 12 * 64**2 + 512 * 64) + 12 * 2 * 64 * 128 == 983_040
+
+
+@pytest.mark.parametrize("name, every", [("gpt2-tiny", 1), ("llama-tiny", 1), ("llama-tiny", 2)])
+def test_recompute_flops_equal_what_checkpointing_runs_again(name, every):
+    config = CONFIGS[name]
+    extra = counted_flops_per_token(config, checkpoint_every=every) - counted_flops_per_token(config)
+    assert recompute_flops_per_token(config, SEQ_LEN, every) == pytest.approx(extra, rel=1e-3)
+    assert recompute_flops_per_token(config, SEQ_LEN, 0) == 0
+
+
+@pytest.mark.parametrize(
+    "device_name, bf16, fp8",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.5, 1979.0),
+        ("NVIDIA H100 PCIe", 756.5, 1513.0),
+        ("NVIDIA H100 NVL", 835.5, 1670.5),
+        ("NVIDIA H200", 989.5, 1979.0),
+        ("NVIDIA H200 NVL", 835.5, 1670.5),
+        ("NVIDIA GH200 480GB", 989.5, 1979.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0, None),
+        ("NVIDIA A100-PCIE-40GB", 312.0, None),
+        ("NVIDIA GeForce RTX 4090", None, None),
+        ("cpu", None, None),
+    ],
+)
+def test_peak_lookup_by_device_name(device_name, bf16, fp8):
+    assert peak_tflops(device_name, torch.bfloat16) == bf16
+    assert peak_tflops(device_name, torch.float16) == bf16
+    assert peak_tflops(device_name, torch.float8_e4m3fn) == fp8
+
+
+def test_float32_peak_follows_the_matmul_precision():
+    assert torch.get_float32_matmul_precision() == "highest"  # torch's default: IEEE fp32 on CUDA cores
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert peak_tflops("NVIDIA A100-SXM4-80GB", torch.float32) == 156.0
+        assert peak_tflops("NVIDIA H100 80GB HBM3", torch.float32) == 494.5
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+def timed(callback: Throughput, config, world_size: int = 2, checkpoint_every: int = 0) -> dict:
+    """The summary of 2 one-second steps of 4 sequences x 128 tokens on each of ``world_size`` ranks."""
+    callback.model_config, callback.seq_len, callback.world_size = config, 128, world_size
+    callback.checkpoint_every = checkpoint_every
+    callback.step_seconds = [1.0, 1.0]
+    callback.tokens_per_step, callback.samples_per_step = 4 * 128 * world_size, 4 * world_size
+    return callback.summary()
+
+
+def test_mfu_is_model_flops_per_device_over_the_given_peak():
+    summary = timed(Throughput(warmup_steps=0, peak_tflops=0.1), CONFIGS["gpt2-tiny"])
+    assert summary["samples_per_s"] == 8 and summary["tokens_per_s"] == 1024
+    assert summary["flops_per_token"] == 983_040
+    assert summary["mfu"] == pytest.approx(983_040 * 512 / 0.1e12)  # 512 tokens/s on each of 2 devices
+    assert summary["hfu"] == summary["mfu"]  # nothing recomputed
+    checkpointed = timed(Throughput(warmup_steps=0, peak_tflops=0.1), CONFIGS["gpt2-tiny"], checkpoint_every=1)
+    assert checkpointed["mfu"] == summary["mfu"] < checkpointed["hfu"]
+
+
+def test_mfu_is_null_with_a_warning_when_the_peak_is_unknown():
+    callback = Throughput(warmup_steps=0)
+    config = CONFIGS["gpt2-tiny"]
+    trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(), precision="32-true")
+    module = SimpleNamespace(model=SimpleNamespace(config=config), device=torch.device("cpu"))
+    with pytest.warns(UserWarning, match="MFU is null: no peak for 'cpu' in fp32; set the callback's init_args.peak"):
+        callback.on_train_start(trainer, module)
+    summary = timed(callback, config)
+    assert summary["mfu"] is None and summary["peak_tflops"] is None
+    assert summary["flops_per_token"] == 983_040
+
+
+def test_peak_tflops_must_be_positive():
+    with pytest.raises(ValueError, match="peak_tflops=0"):
+        Throughput(peak_tflops=0)
+
+
+def test_a_two_process_run_logs_mfu_and_samples_per_s(tmp_path):
+    # A 2-core CPU is far below 1 TFLOPS per process, so the MFU against that peak lies in (0, 1).
+    callback = {"class_path": "callbacks.Throughput", "init_args": {"warmup_steps": 2, "peak_tflops": 1.0}}
+    metrics = fit(tmp_path, devices=2, batch_size=2, steps=6, callbacks=[callback])
+    assert 0 < metrics["perf/mfu"][-1] < 1
+    assert metrics["perf/samples_per_s"][-1] > 0
+    # The quickstart's blocks are 128 tokens: 2 sequences x 2 processes a step.
+    assert metrics["perf/tokens_per_s"][-1] == pytest.approx(128 * metrics["perf/samples_per_s"][-1])
+    assert metrics["perf/flops_per_token"][-1] == 983_040
