@@ -28,11 +28,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from compress.payload import SCALAR_BYTES, Compressor, Payload
+from compress.sparsify import BITMAP, POSITIONS, _Sparsifier, count
 
 
 @dataclass
 class CommStats:
-    """Counters of one rank, summed over all hooks; ``take()`` returns and clears them."""
+    """Counters of one rank, summed over all hooks (``buffer_bytes``: the maximum); ``take()`` returns and clears them."""
 
     calls: int = 0
     numel: int = 0
@@ -44,12 +45,48 @@ class CommStats:
     extra_collectives: int = 0  # collectives beyond the one the uncompressed path needs
     extra_collective_s: float = 0.0
     nonfinite: int = 0
+    values_sent: int = 0  # elements given a value in the payloads (see ``kept_values``); over numel: the density
+    buffer_bytes: int = 0  # the send and receive buffers of one call: the largest call's, not a sum
+    # Sampled steps only (``sampling``): this rank's own payloads decoded locally against their input rows.
+    sample_err_sq: float = 0.0  # ||estimate - gradient||^2
+    sample_ref_sq: float = 0.0  # ||gradient||^2
+    sample_dot: float = 0.0  # <estimate, gradient>
+    sample_est_sq: float = 0.0  # ||estimate||^2
+
+    def __post_init__(self) -> None:
+        # A switch, not a counter, so take() leaves it: CompressionStats turns it on for the steps it samples.
+        self.sampling = False
 
     def take(self) -> dict[str, float]:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         for f in fields(self):
             setattr(self, f.name, type(getattr(self, f.name))())
         return values
+
+
+_SET_BITS = torch.tensor([bin(byte).count("1") for byte in range(256)], dtype=torch.int64)
+
+
+def kept_values(compressor: Compressor, payload: Payload) -> int:
+    """Elements of ``payload`` that carry a value: the k kept by a sparsifier, all ``numel`` for every other method.
+
+    Quantisers, the count-sketch and low rank encode every element (density 1.0). Read from the index
+    encoding, so a sparsifier whose values are quantised (and bit-packed) is counted exactly too.
+    """
+    sparsifier = getattr(compressor, "inner", compressor)  # under error feedback
+    sparsifier = getattr(sparsifier, "sparsifier", sparsifier)  # sparsify-then-quantize
+    if not isinstance(sparsifier, _Sparsifier):
+        return payload.numel
+    if POSITIONS in payload.tensors:
+        return payload.tensors[POSITIONS].numel()
+    if BITMAP in payload.tensors:  # a popcount; the padding bits of the last byte are zero
+        bitmap = payload.tensors[BITMAP]
+        return int(_SET_BITS.to(bitmap.device)[bitmap.long()].sum())
+    return count(payload.numel, sparsifier.ratio, sparsifier.k)  # random-k: positions come from the seed
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _sync(device: torch.device) -> None:
@@ -139,7 +176,35 @@ class _PayloadMover:
         with _Timer(tensor.device) as timer:
             payload = self.compressor.compress(tensor, key, seed)
         self.stats.compress_s += timer.seconds
+        self.stats.values_sent += kept_values(self.compressor, payload)
         return payload
+
+    def sample(self, payloads: list[Payload], inputs: list[torch.Tensor]) -> None:
+        """On a sampled step, decode this rank's own ``payloads`` and compare them with the ``inputs`` they came from.
+
+        ``inputs`` are the rows as handed to the compressor, before error feedback adds its residual. A
+        measurement, not the method's cost: no communication, and not counted in compress_s/decompress_s.
+        Call it before any collective, which may reduce payload tensors in place.
+        """
+        if not self.stats.sampling:
+            return
+        sums = torch.zeros(4, dtype=torch.float64, device=inputs[0].device)
+        for payload, reference in zip(payloads, inputs):
+            estimate = self.compressor.decompress(payload).float()
+            reference = reference.float()
+            sums += torch.stack([
+                (estimate - reference).square().sum(), reference.square().sum(),
+                (estimate * reference).sum(), estimate.square().sum(),
+            ]).double()
+        err_sq, ref_sq, dot, est_sq = sums.tolist()  # one device sync for the whole call
+        self.stats.sample_err_sq += err_sq
+        self.stats.sample_ref_sq += ref_sq
+        self.stats.sample_dot += dot
+        self.stats.sample_est_sq += est_sq
+
+    def hold(self, nbytes: int) -> None:
+        """Record one call's send and receive buffers; the stats keep the largest call's."""
+        self.stats.buffer_bytes = max(self.stats.buffer_bytes, nbytes)
 
     def decompress(self, payloads: list[Payload], device: torch.device) -> torch.Tensor:
         """The float32 sum of the decompressed payloads."""
@@ -179,6 +244,7 @@ class CompressedReduceScatter(ReduceScatter):
         if mover.compressor.linear:
             rows = rows / world  # average on the wire: the sum of fp16 payloads cannot overflow
         payloads = [mover.compress(rows[d], f"{mover.name}/{d}", seed + d) for d in range(world)]
+        mover.sample(payloads, list(rows))
         if mover.compressor.linear:
             result = mover.decompress([self._reduce_scatter_payloads(payloads, group, rank)], rows.device)
         else:
@@ -189,13 +255,15 @@ class CompressedReduceScatter(ReduceScatter):
     def _reduce_scatter_payloads(self, payloads: list[Payload], group, rank: int) -> Payload:
         mover, stats = self.mover, self.mover.stats
         world = len(payloads)
-        summed = {}
+        summed, held = {}, 0
         for index, name in enumerate(payloads[0].tensors):
             shape = payloads[rank].tensors[name].shape
             stacked = torch.cat([p.tensors[name].reshape(-1) for p in payloads])
             out = stacked.new_empty(stacked.numel() // world)
             mover.collective(dist.reduce_scatter_tensor, out, stacked, op=dist.ReduceOp.SUM, group=group, extra=index > 0)
             summed[name] = out.view(shape)
+            held += _nbytes(stacked, out)
+        mover.hold(held)
         mine = payloads[rank]
         # Scalars (seeds) are equal on all ranks and derived from the shared call count: not sent again.
         stats.bytes_sent += (world - 1) * (mine.nbytes - SCALAR_BYTES * len(mine.scalars))
@@ -215,6 +283,7 @@ class CompressedReduceScatter(ReduceScatter):
             dist.all_to_all_single, recv, send,
             output_split_sizes=recv_sizes.tolist(), input_split_sizes=send_sizes.tolist(), group=group, extra=False,
         )
+        mover.hold(_nbytes(*(b for b in buffers if b is not None), send, recv, send_sizes, recv_sizes))
         stats.bytes_sent += int(send_sizes.sum()) + send_sizes.numel() * 8
         stats.bytes_index += sum(p.index_nbytes for d, p in enumerate(payloads) if d != rank)
         received = [payloads[rank]]
@@ -240,13 +309,17 @@ class CompressedAllReduce:
         stats.numel += flat.numel()
         stats.bytes_raw += 2 * (world - 1) * flat.numel() * 4 // world  # a ring all-reduce
         if mover.compressor.linear:
-            payload = mover.compress(flat / world, f"{mover.name}/ar", seed)
+            scaled = flat / world
+            payload = mover.compress(scaled, f"{mover.name}/ar", seed)
+            mover.sample([payload], [scaled])
+            mover.hold(_nbytes(*payload.tensors.values()))  # reduced in place
             for index, tensor in enumerate(payload.tensors.values()):
                 mover.collective(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=group, extra=index > 0)
             stats.bytes_sent += 2 * (world - 1) * (payload.nbytes - SCALAR_BYTES * len(payload.scalars)) // world
             result = mover.decompress([payload], flat.device)
         else:
             payload = mover.compress(flat, f"{mover.name}/ar", seed + group.rank())
+            mover.sample([payload], [flat])
             buffer = serialize(payload)
             sizes = [torch.zeros(1, dtype=torch.int64, device=flat.device) for _ in range(world)]
             mover.collective(dist.all_gather, sizes, torch.tensor([buffer.numel()], device=flat.device), group=group, extra=True)
@@ -254,6 +327,7 @@ class CompressedAllReduce:
             gathered = [torch.empty(longest, dtype=torch.uint8, device=flat.device) for _ in range(world)]
             padded = torch.nn.functional.pad(buffer, (0, longest - buffer.numel()))
             mover.collective(dist.all_gather, gathered, padded, group=group, extra=False)
+            mover.hold(_nbytes(buffer, padded, *gathered, *sizes))
             stats.bytes_sent += (world - 1) * (longest + 8)
             stats.bytes_index += (world - 1) * payload.index_nbytes
             me = group.rank()

@@ -75,6 +75,20 @@ def _chunk_lengths(n: int, chunk_size: int, device: torch.device) -> torch.Tenso
     return lengths
 
 
+def _padded_fp32(values: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``values`` (any dtype) as float32 zero-padded to whole chunks, (chunks, chunk_size): one converting copy."""
+    n = values.numel()
+    out = torch.empty(math.ceil(n / chunk_size) * chunk_size, dtype=torch.float32, device=values.device)
+    out[:n].copy_(values)
+    out[n:].zero_()
+    return out.view(-1, chunk_size)
+
+
+def _times_chunk(values: torch.Tensor, per_chunk: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """float32 ``values * per_chunk[chunk of each element]`` without materialising the per-element factors."""
+    return _padded_fp32(values, chunk_size).mul_(per_chunk.unsqueeze(1)).view(-1)[: values.numel()]
+
+
 def _spread(per_chunk: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
     """A per-chunk statistic repeated over the chunk's elements: length ``n``."""
     return per_chunk.unsqueeze(1).expand(-1, chunk_size).reshape(-1)[:n]
@@ -82,7 +96,8 @@ def _spread(per_chunk: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
 
 def _scaled(x: torch.Tensor, scales: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """``x`` divided by its chunk's scale; an all-zero chunk (scale 0) stays zero instead of becoming NaN."""
-    return x / _spread(torch.where(scales > 0, scales, 1.0), x.numel(), chunk_size)
+    safe = torch.where(scales > 0, scales, 1.0).unsqueeze(1)
+    return (_chunks(x, chunk_size) / safe).view(-1)[: x.numel()]
 
 
 def _absmax_scales(x: torch.Tensor, chunk_size: int, top: float) -> torch.Tensor:
@@ -150,8 +165,7 @@ class FP8:
         return Payload(x.numel(), {"values": values, "scales": scales})
 
     def decompress(self, payload: Payload) -> torch.Tensor:
-        scales = _spread(payload.tensors["scales"], payload.numel, self.chunk_size)
-        return payload.tensors["values"].float() * scales
+        return _times_chunk(payload.tensors["values"], payload.tensors["scales"], self.chunk_size)
 
 
 @dataclass
@@ -179,7 +193,7 @@ class IntQuant:
     def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
         x = _flat_fp32(tensor)
         scales = _absmax_scales(x, self.chunk_size, self.levels)
-        q = _scaled(x, scales, self.chunk_size).round().clamp(-self.levels, self.levels)
+        q = _scaled(x, scales, self.chunk_size).round_().clamp_(-self.levels, self.levels)
         if self.num_bits == 8:
             values = q.to(torch.int8)
         else:
@@ -188,11 +202,9 @@ class IntQuant:
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         n, values = payload.numel, payload.tensors["values"]
-        if self.num_bits == 8:
-            q = values.float()
-        else:
-            q = unpack_bits(values, self.num_bits, n).float() - self.levels
-        return q * _spread(payload.tensors["scales"], n, self.chunk_size)
+        if self.num_bits < 8:
+            values = unpack_bits(values, self.num_bits, n).float() - self.levels
+        return _times_chunk(values, payload.tensors["scales"], self.chunk_size)
 
 
 @dataclass
