@@ -1,8 +1,10 @@
-"""Lightning callbacks that measure a run: throughput, memory, compression statistics, and a results record."""
+"""Lightning callbacks that measure a run: throughput, memory, communication, compression statistics, quality, and a results record."""
 
+from callbacks.comm_profiler import CommProfiler
 from callbacks.compression import CompressionStats
 from callbacks.memory import Memory
+from callbacks.quality import Quality
 from callbacks.results import Results
 from callbacks.throughput import Throughput
 
-__all__ = ["CompressionStats", "Memory", "Results", "Throughput"]
+__all__ = ["CommProfiler", "CompressionStats", "Memory", "Quality", "Results", "Throughput"]

@@ -15,27 +15,21 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from sweep import METHODS, REPO, launch  # scripts/ is on sys.path when this file runs
+
 DATA = REPO.parent / "shared" / "data" / "wikitext2"
-METHODS = [p.stem for p in sorted(REPO.glob("configs/*.yaml")) if "compression:" in p.read_text()]
 MULTI_SEED = ("baseline", "int8", "topk", "lowrank", "topk10_int8")
 
 
 def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dict:
     """One training run; its final metrics, or ``{"failed": reason}``."""
     out = root / f"{method}-seed{seed}"
-    command = [
-        sys.executable, "-m", "lit_fsdp", "fit",
-        "--config", str(REPO / "configs" / "quickstart.yaml"),
-        "--config", str(REPO / "configs" / "wikipedia.yaml"),
-        "--config", str(REPO / "configs" / f"{method}.yaml"),
+    configs = [REPO / "configs" / name for name in ("quickstart.yaml", "wikipedia.yaml", f"{method}.yaml")]
+    outcome = launch(configs, [
         "--data.train_path", str(args.data / "train.json"),
         "--data.val_path", str(args.data / "valid.json"),
         "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch_size),
@@ -44,18 +38,14 @@ def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dic
         "--model.learning_rate", str(args.lr), "--model.warmup_steps", str(args.steps // 10),
         "--trainer.max_steps", str(args.steps),
         "--trainer.val_check_interval", str(args.steps), "--trainer.limit_val_batches", str(args.val_batches),
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
-        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(out),
-        "--trainer.default_root_dir", str(out),
-    ]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    start = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        return {"method": method, "seed": seed, "failed": (result.stderr.strip().splitlines() or ["?"])[-1]}
+        "--trainer.enable_checkpointing", "false",
+        # Named explicitly: a logger class switched on the command line keeps the default logger's name (null).
+    ], out)
+    if outcome["status"] == "failed":
+        return {"method": method, "seed": seed, "failed": outcome["error"]}
     metrics = last_values(next(out.glob("lightning_logs/version_*/metrics.csv")))
     record = {
-        "method": method, "seed": seed, "wall_s": time.perf_counter() - start,
+        "method": method, "seed": seed, "wall_s": outcome["wall_s"],
         "val_loss": metrics["val/loss"], "val_ppl": metrics["val/ppl"], "train_loss": metrics["train/loss"],
         "tokens_per_s": json.loads((out / "throughput.json").read_text())["tokens_per_s"],
     }
