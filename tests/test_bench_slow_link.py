@@ -1,0 +1,210 @@
+"""scripts/bench_slow_link.py: the root check, the teardown, and how the two ranks are launched.
+
+Tests that create real network namespaces run only as root with LIT_FSDP_NETNS_TESTS=1; the others
+put fake ``ip`` and ``tc`` commands first on PATH, which log their arguments.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, run_cli
+
+SCRIPT = REPO / "scripts" / "bench_slow_link.py"
+_spec = importlib.util.spec_from_file_location("bench_slow_link", SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+needs_netns = pytest.mark.skipif(
+    not (os.geteuid() == 0 and os.environ.get("LIT_FSDP_NETNS_TESTS") == "1"),
+    reason="creates network namespaces: needs root and LIT_FSDP_NETNS_TESTS=1",
+)
+
+
+def fake_iproute2(tmp_path: Path, fail_on: str | None = None, error: str = "Operation not permitted") -> Path:
+    """``ip`` and ``tc`` that append their arguments to the returned log; ``fail_on`` makes a call fail."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    failing = f'case "$*" in "{fail_on}"*) echo "{error}" >&2; exit 1;; esac\n' if fail_on else ""
+    for name in ("ip", "tc"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\n{failing}exit 0\n')
+        (bin_dir / name).chmod(0o755)
+    log.touch()
+    return log
+
+
+def calls(log: Path) -> list[str]:
+    return log.read_text().splitlines()
+
+
+def namespaces() -> set[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in listing.splitlines() if line.strip()}
+
+
+def test_without_root_the_script_exits_with_one_line_naming_what_it_tried(tmp_path):
+    log = fake_iproute2(tmp_path, fail_on="netns add")
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--rates", "1gbit", "--methods", "none", "--out", str(tmp_path / "out")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "needs root (CAP_NET_ADMIN" in lines[0] and "`ip netns add lit_fsdp-" in lines[0]
+    assert "Operation not permitted" in lines[0]
+    assert [c.split()[:3] for c in calls(log)] == [["ip", "netns", "add"]]  # nothing made, nothing to remove
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+def test_a_leftover_namespace_is_named_and_not_deleted(tmp_path, monkeypatch):
+    log = fake_iproute2(tmp_path, fail_on="netns add", error='Cannot create namespace file: File exists')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(bench.LinkError, match="lit_fsdp-t0-0 already exists .* `ip netns del lit_fsdp-t0-0`"):
+        with bench.SlowLink("1gbit", tag="t0"):
+            pass
+    assert calls(log) == ["ip netns add lit_fsdp-t0-0"]
+
+
+def test_a_failed_setup_removes_the_namespaces_it_had_created(tmp_path, monkeypatch):
+    log = fake_iproute2(tmp_path, fail_on="link add")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(bench.LinkError, match="ip link add lfat1 type veth"):
+        with bench.SlowLink("1gbit", tag="t1"):
+            pass
+    assert calls(log) == [
+        "ip netns add lit_fsdp-t1-0", "ip netns add lit_fsdp-t1-1", "ip link add lfat1 type veth peer name lfbt1",
+        "ip netns del lit_fsdp-t1-1", "ip netns del lit_fsdp-t1-0",
+    ]
+
+
+def test_teardown_runs_once_when_the_body_raises_and_shapes_both_ends(tmp_path, monkeypatch):
+    log = fake_iproute2(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    link = bench.SlowLink("10gbit", tag="t2")
+    with pytest.raises(RuntimeError, match="body"):
+        with link:
+            raise RuntimeError("body")
+    link.close()  # a second teardown deletes nothing more
+    made = calls(log)
+    assert made[-2:] == ["ip netns del lit_fsdp-t2-1", "ip netns del lit_fsdp-t2-0"]
+    assert sum("del" in c for c in made) == 2  # the veth goes with its namespace
+    shaped = [c for c in made if c.startswith("tc ")]
+    assert [c.split()[2] for c in shaped] == ["lit_fsdp-t2-0", "lit_fsdp-t2-1"]
+    # 10 Gbit/s: the bucket holds a 250 Hz tick of traffic (5 MB), not the 128 KiB floor
+    assert all("tbf rate 10gbit burst 5000000 latency 50ms" in c for c in shaped)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is restored
+
+
+def launches(monkeypatch, cores: list[int], *extra: str) -> list[tuple[list[str], dict[str, str]]]:
+    for inherited in ("RANK", "WORLD_SIZE", "SLURM_NTASKS"):  # e.g. a shell inside a cluster job
+        monkeypatch.setenv(inherited, "8")
+    link = bench.SlowLink("1gbit", tag="t3")
+    args = bench.build_parser().parse_args(["--methods", "int8", *extra])
+    fit_args = bench.fit_arguments(args, "int8", Path("/tmp/callbacks.json"), Path("/tmp/run"))
+    return [bench.rank_launch(link, node, fit_args, 29501, cores) for node in (0, 1)]
+
+
+def test_each_rank_runs_in_its_namespace_with_lightnings_multi_node_environment(monkeypatch):
+    for node, (argv, env) in enumerate(launches(monkeypatch, [0, 1])):
+        assert argv[:7] == ["ip", "netns", "exec", f"lit_fsdp-t3-{node}", "taskset", "-c", str(node)]
+        assert argv[7:11] == [sys.executable, "-m", "lit_fsdp", "fit"]
+        options = dict(zip(argv[11::2], argv[12::2]))
+        assert options["--trainer.num_nodes"] == "2" and options["--trainer.devices"] == "1"
+        assert options["--trainer.strategy.init_args.sharding"] == "NO_SHARD"
+        assert str(REPO / "configs" / "int8.yaml") in argv
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["LOCAL_RANK"]) == ("10.210.0.1", "29501", "0")
+        assert env["NODE_RANK"] == str(node) and env["GLOO_SOCKET_IFNAME"] == ("lfat3", "lfbt3")[node]
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert not {"RANK", "WORLD_SIZE", "SLURM_NTASKS"} & set(env)
+
+
+def test_ranks_get_disjoint_cores_and_as_many_threads(monkeypatch):
+    (argv0, env0), (argv1, env1) = launches(monkeypatch, [0, 1, 2, 3], "--threads", "2")
+    assert (argv0[6], argv1[6]) == ("0,1", "2,3")
+    assert env0["OMP_NUM_THREADS"] == env1["OMP_NUM_THREADS"] == "2"
+
+
+def test_the_cli_accepts_the_rank_arguments(tmp_path):
+    args = bench.build_parser().parse_args(["--methods", "topk"])
+    callbacks = bench.write_callbacks(tmp_path / "callbacks.json", args.warmup, profiler=True)
+    fit_args = bench.fit_arguments(args, "topk", callbacks, tmp_path / "run")
+    printed = run_cli(*fit_args[2:], "--print_config", cwd=tmp_path).stdout
+    assert "sharding: NO_SHARD" in printed and "num_nodes: 2" in printed and "method: topk" in printed
+    assert "warmup_steps: 5" in printed and "class_path: callbacks.CommProfiler" in printed
+
+
+def test_when_one_rank_fails_the_other_is_killed_at_once(tmp_path):
+    pid_file = tmp_path / "pid"
+    sleeper = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"]
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    start = time.monotonic()
+    failure = bench.run_ranks([(["sh", "-c", "sleep 1; echo boom; exit 3"], dict(os.environ)), (sleeper, dict(os.environ))], logs, 60)
+    assert failure == "rank0 exited 3: boom"
+    assert time.monotonic() - start < 30
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_a_run_past_its_timeout_is_killed_and_reported(tmp_path):
+    sleeper = (["sleep", "120"], dict(os.environ))
+    assert bench.run_ranks([sleeper, sleeper], [tmp_path / "rank0.log", tmp_path / "rank1.log"], 1) == "timed out after 1 s"
+
+
+def test_the_table_marks_failed_runs_and_measures_speedup_against_none():
+    records = [
+        {"rate": "1gbit", "method": "none", "step_time_ms_p50": 1000.0, "step_time_ms_mean": 1010.0,
+         "comm_time_ms_total": 700.0, "comm_ratio": 0.7, "compression_ratio": 1.0, "tokens_per_s": 32.0},
+        {"rate": "1gbit", "method": "int8", "step_time_ms_p50": 400.0, "step_time_ms_mean": 420.0,
+         "comm_time_ms_total": None, "comm_ratio": None, "compression_ratio": 3.98, "tokens_per_s": 80.0},
+        {"rate": "1gbit", "method": "topk", "failed": "rank1 exited 1: boom | bang"},
+        {"rate": "10gbit", "method": "none", "step_time_ms_p50": 500.0},
+    ]
+    rows = bench.table(records, "1gbit").splitlines()[2:]
+    assert rows[0] == "| none | 1000 | 1010 | 1.00x | 700 | 70% | 1.0x | 32 |"
+    assert rows[1] == "| int8 | 400 | 420 | 2.50x | n/a | n/a | 4.0x | 80 |"
+    assert rows[2].startswith("| topk | failed: rank1 exited 1: boom / bang |") and rows[2].count("|") == 9
+    assert len(rows) == 3  # the other rate's run is not in this table
+
+
+@needs_netns
+def test_real_namespaces_are_removed_even_when_the_body_raises():
+    link = bench.SlowLink("100mbit", tag=f"{os.getpid()}t")
+    with pytest.raises(RuntimeError):
+        with link:
+            assert set(link.namespaces) <= namespaces()
+            raise RuntimeError("body")
+    assert not set(link.namespaces) & namespaces()
+    assert subprocess.run(["ip", "link", "show", link.veths[0]], capture_output=True).returncode != 0
+
+
+@needs_netns
+def test_sigterm_removes_the_namespaces():
+    tag = f"{os.getpid()}s"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import importlib.util, time; s = importlib.util.spec_from_file_location('b', {str(SCRIPT)!r}); "
+         f"b = importlib.util.module_from_spec(s); s.loader.exec_module(b)\nwith b.SlowLink('1gbit', tag={tag!r}):\n"
+         "    print('up', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    assert holder.stdout.readline().strip() == "up"
+    assert f"lit_fsdp-{tag}-0" in namespaces()
+    holder.send_signal(signal.SIGTERM)
+    assert holder.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not {f"lit_fsdp-{tag}-0", f"lit_fsdp-{tag}-1"} & namespaces()
+
+
+@needs_netns
+def test_the_link_runs_at_its_rate():
+    with bench.SlowLink("200mbit", tag=f"{os.getpid()}r") as link:
+        measured = bench.measure_rate(link, seconds=0.5)
+    assert 0.15 < measured["measured_gbit_s"] < 0.21
