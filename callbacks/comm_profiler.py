@@ -241,6 +241,7 @@ class CommProfiler(pl.Callback):
         self._traces = tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{trainer.global_rank}")
         self._trainer = trainer
         self._first_step = trainer.global_step  # ProfilerStep#0 is the first step of this fit (resumed or not)
+        self._steps_done = 0
         activities = [ProfilerActivity.CPU]
         if pl_module.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
@@ -254,7 +255,8 @@ class CommProfiler(pl.Callback):
         rank_zero_info(f"CommProfiler: traces to {trace_dir} (tensorboard --logdir {trace_dir.parent})")
 
     def _trace_ready(self, prof: torch.profiler.profile) -> None:
-        steps = breakdown(profiler_events(prof))
+        # ProfilerStep#k ends at the (k+1)-th step() call; one still open when training ended is not a step.
+        steps = [step for step in breakdown(profiler_events(prof)) if step.index < self._steps_done]
         self.steps.extend(steps)
         for step in steps:
             metrics = {
@@ -268,6 +270,7 @@ class CommProfiler(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._profiler is not None and not trainer.fit_loop._should_accumulate():
+            self._steps_done += 1
             self._profiler.step()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

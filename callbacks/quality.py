@@ -7,12 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from callbacks.run_folder import append_jsonl, run_name
-
-
-def _metric(trainer: pl.Trainer, key: str) -> float | None:
-    value = trainer.callback_metrics.get(key)
-    return None if value is None else float(value)
+from callbacks.run_folder import append_jsonl, logged, run_name
 
 
 class Quality(pl.Callback):
@@ -60,17 +55,17 @@ class Quality(pl.Callback):
             return
         step = trainer.global_step
         if step % trainer.log_every_n_steps == 0 or step == trainer.max_steps:
-            self._append(trainer, self._wall(), train_loss=_metric(trainer, "train/loss"))
+            self._append(trainer, self._wall(), train_loss=logged(trainer, "train/loss"))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self._start is None or self._end is not None:  # not inside fit's training
             return
-        val_loss = _metric(trainer, "val/loss")
+        val_loss = logged(trainer, "val/loss")
         if val_loss is None:
             return
         wall_s = self._wall()
         self.validations.append((trainer.global_step, wall_s, val_loss))
-        self._append(trainer, wall_s, val_loss=val_loss, val_ppl=_metric(trainer, "val/ppl"))
+        self._append(trainer, wall_s, val_loss=val_loss, val_ppl=logged(trainer, "val/ppl"))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end = time.perf_counter()

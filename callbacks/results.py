@@ -11,7 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from callbacks.run_folder import append_jsonl, compression_method, run_name, write_json
+from callbacks.run_folder import append_jsonl, compression_method, logged, run_name, write_json
 from lit_fsdp.wandb_logger import publish_summary
 
 _PACKAGES = ("torch", "lightning", "transformers", "torchmetrics", "jsonargparse", "wandb")
@@ -31,11 +31,6 @@ def environment(trainer: pl.Trainer) -> dict[str, Any]:
         "cuda_devices": devices, "cuda": torch.version.cuda, "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes, "strategy": type(trainer.strategy).__name__,
     }
-
-
-def _metric(trainer: pl.Trainer, key: str) -> float | None:
-    value = trainer.callback_metrics.get(key)
-    return None if value is None else float(value)
 
 
 class Results(pl.Callback):
@@ -71,9 +66,9 @@ class Results(pl.Callback):
             "compress_config": None if compression is None else vars(compression),
             "seed": int(os.environ["PL_GLOBAL_SEED"]) if "PL_GLOBAL_SEED" in os.environ else None,  # seed_everything
             "steps": trainer.global_step,
-            "train_loss": _metric(trainer, "train/loss"),
-            "val_loss": _metric(trainer, "val/loss"),
-            "val_ppl": _metric(trainer, "val/ppl"),
+            "train_loss": logged(trainer, "train/loss"),
+            "val_loss": logged(trainer, "val/loss"),
+            "val_ppl": logged(trainer, "val/ppl"),
             "comm_time_ms_total": None, "comm_ratio": None, "comm_time_ms_by_op": None,
             "bytes_raw_total": None, "bytes_compressed_total": None,
             # FSDP2's own reduce-scatter sends float32 gradients: the uncompressed reference.

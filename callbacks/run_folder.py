@@ -56,6 +56,12 @@ def append_jsonl(trainer: pl.Trainer, filename: str, record: dict[str, Any]) -> 
             f.write(json.dumps(record, default=str) + "\n")
 
 
+def logged(trainer: pl.Trainer, key: str) -> float | None:
+    """The latest value the module logged under ``key`` (e.g. ``val/loss``), or None."""
+    value = trainer.callback_metrics.get(key)
+    return None if value is None else float(value)
+
+
 def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
     """``metrics`` to every logger at ``step`` (default: the current optimizer step)."""
     for logger in trainer.loggers:

@@ -17,6 +17,7 @@ TRAINER_DEFAULTS = {
     "strategy": {"class_path": "lit_fsdp.strategy.FSDP2Strategy"},
     "logger": {"class_path": "lit_fsdp.wandb_logger.WandbLogger"},
     "max_steps": 200,
+    "default_root_dir": "runs/default",  # the run folder: results, traces, checkpoints, W&B files
     "val_check_interval": 100,
     "check_val_every_n_epoch": None,
     "limit_val_batches": 8,

@@ -15,7 +15,7 @@ REQUIRED = (
 
 def test_an_int8_run_appends_one_record_with_plausible_figures(tmp_path):
     fit(tmp_path, "--config", str(REPO / "configs" / "int8.yaml"), "--trainer.limit_val_batches", "2",
-        "--trainer.val_check_interval", "8", steps=8)
+        "--trainer.val_check_interval", "10", steps=10)
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(records) == 1
     record = records[0]
@@ -26,5 +26,11 @@ def test_an_int8_run_appends_one_record_with_plausible_figures(tmp_path):
     assert 3.5 < record["compression_ratio"] < 4.0  # int8 + per-chunk scales + headers, against fp32
     assert record["bytes_compressed_total"] < record["bytes_raw_total"]
     assert record["val_ppl"] > 1 and record["peak_rss_gb"] > 0
+    # The config's CommProfiler records steps 8-10 on both ranks; its Quality has no target or budget.
+    assert record["profiled_steps"] == 2 * 3 and record["comm_time_ms_total"] > 0 and 0 < record["comm_ratio"] < 1
+    assert record["comm_time_ms_by_op"]["all_to_all"] > 0  # int8 payloads cross by all-to-all
+    assert record["samples_per_s"] > 0 and record["mfu"] is None  # no peak known for a CPU
+    assert record["density"] == 1.0 and record["grad_cosine"] > 0.999  # int8 is dense and close
+    assert record["train_wall_s"] > 0 and record["time_to_target_s"] is None
     environment = json.loads((tmp_path / "environment.json").read_text())
     assert environment["world_size"] == 2 and environment["packages"]["torch"]
