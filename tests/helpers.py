@@ -48,10 +48,10 @@ def fit(
         "--trainer.devices", str(devices),
         "--data.batch_size", str(batch_size),
         "--trainer.max_steps", str(steps),
-        "--trainer.default_root_dir", str(tmp),
         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
         "--trainer.logger.save_dir", str(tmp),
         *args,
+        "--trainer.default_root_dir", str(tmp),  # last: the method configs name their own run folder
         cwd=tmp,
     )
     return read_metrics(max(tmp.glob("lightning_logs/version_*/metrics.csv")))
