@@ -153,23 +153,23 @@ def breakdown(events: list[Event]) -> list[StepBreakdown]:
             if not e.on_gpu and e.thread not in gloo_threads and e.name.startswith("aten::")
         ]
     compute_union = union((e.start, e.end) for e in compute)
+    comm_union = union((e.start, e.end) for _, e in collectives)
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for name, event in collectives:
+        spans.setdefault(name, []).append((event.start, event.end))
+    by_op_union = {name: union(intervals) for name, intervals in sorted(spans.items())}
     results = []
     for step in steps:
         window = [(step.start, step.end)]
-        comm = intersection(union((e.start, e.end) for _, e in collectives), window)
+        comm = intersection(comm_union, window)
         work = intersection(compute_union, window)
-        by_op: dict[str, list[tuple[int, int]]] = {}
-        for name, event in collectives:
-            by_op.setdefault(name, []).append((event.start, event.end))
         results.append(StepBreakdown(
             index=int(step.name.removeprefix("ProfilerStep#")),
             step_ms=(step.end - step.start) / 1e6,
             comm_ms=length(comm) / 1e6,
             compute_ms=length(work) / 1e6,
             overlap_ms=length(intersection(comm, work)) / 1e6,
-            by_op_ms={
-                name: length(intersection(union(spans), window)) / 1e6 for name, spans in sorted(by_op.items())
-            },
+            by_op_ms={name: length(intersection(op_union, window)) / 1e6 for name, op_union in by_op_union.items()},
         ))
     return results
 
@@ -285,7 +285,7 @@ class CommProfiler(pl.Callback):
         if self._trainer is None:
             return
         if self._profiler is not None:
-            self._profiler.stop()  # a cycle cut short by the end of training is still analysed
+            self._profiler.stop()  # the completed steps of a cycle cut short by the end of training are analysed
             self._profiler = None
         trainer, self._trainer = self._trainer, None
         mine = [asdict(s) for s in self.steps]
@@ -296,9 +296,9 @@ class CommProfiler(pl.Callback):
         self.per_rank = [[StepBreakdown(**s) for s in steps] for steps in per_rank]
         write_json(trainer, "comm_profile.json", {
             "schedule": {"wait": self.wait, "warmup": self.warmup, "active": self.active, "repeat": self.repeat},
-            "mean_over_ranks": self.summary(),
-            "per_rank": [{"rank": r, "mean": mean_breakdown(steps), "steps": [asdict(s) for s in steps]}
-                         for r, steps in enumerate(self.per_rank)],
+            "mean_over_ranks": mean_breakdown([step for steps in self.per_rank for step in steps]),
+            "per_rank": [{"rank": r, "mean": mean_breakdown(breakdowns), "steps": steps}
+                         for r, (breakdowns, steps) in enumerate(zip(self.per_rank, per_rank))],
         })
 
     def summary(self) -> dict[str, Any]:

@@ -246,7 +246,7 @@ class QSGD:
     def decompress(self, payload: Payload) -> torch.Tensor:
         n = payload.numel
         signed = unpack_bits(payload.tensors["values"], self.bits, n).float() - self.levels
-        return signed * _spread(payload.tensors["norms"], n, self.chunk_size) / self.levels
+        return _times_chunk(signed, payload.tensors["norms"], self.chunk_size) / self.levels
 
 
 @dataclass
