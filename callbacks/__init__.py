@@ -1,10 +1,11 @@
-"""Lightning callbacks that measure a run: throughput, memory, communication, compression statistics, quality, and a results record."""
+"""Lightning callbacks that measure a run: throughput, memory, communication, compression and offload statistics, quality, and a results record."""
 
 from callbacks.comm_profiler import CommProfiler
 from callbacks.compression import CompressionStats
 from callbacks.memory import Memory
+from callbacks.offload import OffloadStats
 from callbacks.quality import Quality
 from callbacks.results import Results
 from callbacks.throughput import Throughput
 
-__all__ = ["CommProfiler", "CompressionStats", "Memory", "Quality", "Results", "Throughput"]
+__all__ = ["CommProfiler", "CompressionStats", "Memory", "OffloadStats", "Quality", "Results", "Throughput"]

@@ -13,6 +13,23 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
+def error_line(error: BaseException) -> str:
+    """The one line that says what was wrong.
+
+    A constructor's error (``SlideFSDPStrategy(window=0)``) can reach us only as one entry of
+    jsonargparse's list of failed Union alternatives ("Errors: - Expected a <class 'str'> - ..."):
+    the entry that is not a type mismatch is the one to show.
+    """
+    text = str(error)
+    if "\nErrors:\n" in text:
+        entries = [line.strip()[2:] for line in text.split("\nErrors:\n", 1)[1].splitlines() if line.strip().startswith("- ")]
+        specific = [entry for entry in entries if not entry.startswith("Expected a ")]
+        if specific:
+            return specific[0]
+    lines = str(root_cause(error)).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     try:
@@ -33,8 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as error:
         if os.environ.get("LIT_FSDP_TRACEBACK"):
             raise
-        message = str(root_cause(error)).strip().splitlines() or [type(error).__name__]
-        print(f"lit_fsdp: error: {message[0]} (LIT_FSDP_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        print(f"lit_fsdp: error: {error_line(error)} (LIT_FSDP_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         sys.exit(2)
 
 

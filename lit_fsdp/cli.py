@@ -1,4 +1,4 @@
-"""``python -m lit_fsdp fit|validate|test|predict``: LightningCLI over CausalLM, our DataModules and FSDP2Strategy."""
+"""``python -m lit_fsdp fit|validate|test|predict``: LightningCLI over CausalLM, our DataModules and our strategies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from callbacks.run_folder import compression_method, run_name
 from lit_fsdp.data.blocks import BlockDataModule
 from lit_fsdp.model import CausalLM
-from lit_fsdp.strategy import FSDP2Strategy
+import offload  # noqa: F401  (registers the slide_fsdp strategy name)
+from lit_fsdp.strategy import CausalLMStrategy
 from lit_fsdp.wandb_logger import SaveConfig, WandbLogger
 
 TRAINER_DEFAULTS = {
@@ -33,14 +34,13 @@ class LitFsdpCLI(LightningCLI):
 
     def _preflight(self) -> None:
         strategy = self.trainer.strategy
-        if not isinstance(strategy, FSDP2Strategy):
+        if not isinstance(strategy, CausalLMStrategy):
             raise ValueError(
                 f"--trainer.strategy is {type(strategy).__name__}; lit_fsdp models are built on the meta device "
-                "and need lit_fsdp.strategy.FSDP2Strategy (the default): remove the --trainer.strategy override"
+                "and need lit_fsdp.strategy.FSDP2Strategy (the default) or offload.SlideFSDPStrategy: remove the "
+                "--trainer.strategy override"
             )
-        strategy.mesh_shape(self.trainer.num_nodes * self.trainer.num_devices, self.trainer.num_nodes)
-        if strategy.compression is not None:
-            strategy.compression.build(rank=0)  # unknown method, out-of-range parameter: fail here
+        strategy.preflight(self.trainer, self.model)
         positions = getattr(self.model.hf_config(), "max_position_embeddings", None)
         seq_len = getattr(self.datamodule, "seq_len", 0)
         if positions is not None and seq_len > positions:

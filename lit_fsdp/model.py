@@ -39,7 +39,7 @@ class CausalLM(pl.LightningModule):
         """
         Args:
             preset: Model shape from ``lit_fsdp.presets`` (random init): gpt2-tiny, gpt2-small, gpt2-124m,
-                llama-tiny, llama-1b. Ignored when ``pretrained_path`` is set.
+                llama-tiny, llama-1b, llama-8b. Ignored when ``pretrained_path`` is set.
             pretrained_path: Local Hugging Face model folder (config.json + safetensors) to start from.
             config_overrides: Hugging Face config fields to change, e.g. ``{n_layer: 6}``.
             learning_rate: Peak AdamW learning rate.
@@ -152,7 +152,12 @@ class CausalLM(pl.LightningModule):
             return
         if gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(f"--trainer.gradient_clip_algorithm {gradient_clip_algorithm} is not supported; use norm")
-        norm = clip_grad_norm_(self.model.parameters(), gradient_clip_val)
+        # A strategy that keeps gradients off the network (SlideFSDP: on the host) computes their norm itself.
+        strategy_clip = getattr(self.trainer.strategy, "clip_grad_norm_", None)
+        if strategy_clip is not None:
+            norm = strategy_clip(gradient_clip_val)
+        else:
+            norm = clip_grad_norm_(self.model.parameters(), gradient_clip_val)
         self.log("train/grad_norm", norm, sync_dist=False)
 
     # --- checkpoints -----------------------------------------------------------------------------

@@ -32,6 +32,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, vocab_size=128256,
         rope_theta=500000.0, tie_word_embeddings=True,
     ),
+    # The shape of Llama 3.1 8B: 8.03e9 parameters, untied head, llama3 RoPE scaling to 128k positions.
+    "llama-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
 }
 
 

@@ -1,17 +1,18 @@
-"""``FSDP2Strategy``: Lightning's model-parallel strategy life cycle, with FSDP2 applied by the strategy itself.
+"""lit_fsdp's strategies: the life cycle they share (``CausalLMStrategy``) and FSDP2 (``FSDP2Strategy``).
 
-``setup_environment`` builds the process group and the device mesh, ``setup`` shards, materialises
-and initialises the model and then builds the optimizer on the sharded parameters; checkpoints are
-sharded (torch.distributed.checkpoint) or one full file, as Lightning's ``ModelParallelStrategy``
-writes them.
+Both follow Lightning's ``ModelParallelStrategy``: ``setup_environment`` builds the process group and
+the device mesh, ``setup`` places the network (shards, materialises and initialises it) and then
+builds the optimizer on what it placed; checkpoints are sharded (torch.distributed.checkpoint) or one
+full file. ``offload.SlideFSDPStrategy`` is the other strategy built on ``CausalLMStrategy``.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -44,7 +45,111 @@ class GradientCommHook(Protocol):
         """Install the hook on one FSDP module (``set_custom_reduce_scatter``, all-reduce hooks, ...)."""
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class CausalLMStrategy(ModelParallelStrategy):
+    """The life cycle of a lit_fsdp strategy: process group and mesh, checks, placing the network, optimizers.
+
+    A subclass says what its mesh is (``mesh_shape``), how it places ``LightningModule.model`` on the
+    devices (``place``) and whether that already happened (``is_placed``).
+    """
+
+    strategy_name = ""
+
+    def __init__(
+        self,
+        param_dtype: DType,
+        activation_checkpointing: int,
+        save_distributed_checkpoint: bool,
+        process_group_backend: str | None,
+        timeout: timedelta | None,
+    ):
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size="auto",
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if activation_checkpointing < 0:
+            raise ValueError(f"activation_checkpointing must be >= 0 (0 off, k every k-th block), got {activation_checkpointing}")
+        self.param_dtype = param_dtype
+        self.activation_checkpointing = activation_checkpointing
+
+    # --- before any worker starts ------------------------------------------------------------------
+
+    @abstractmethod
+    def mesh_shape(self, world_size: int, num_nodes: int) -> tuple[int, ...]:
+        """The device mesh: (shard,) or (replicate, shard); raises ValueError when it cannot be built."""
+
+    def preflight(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Checks that need no process group, run by the CLI before Lightning starts the other processes."""
+        self.mesh_shape(trainer.num_nodes * trainer.num_devices, trainer.num_nodes)
+
+    # --- mesh ------------------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        if self.root_device.type == "cpu":
+            # Lightning's launcher limits threads (cores / processes) only in the process that launches
+            # the others; the ranks it starts keep every core each and oversubscribe the CPU.
+            _set_num_threads_if_needed(self.num_processes)
+        self._setup_distributed()
+        shape = self.mesh_shape(self.world_size, self.num_nodes)
+        names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Every rank is a data-parallel rank: there is no tensor parallelism here.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # --- model -----------------------------------------------------------------------------------
+
+    def resolve_dtype(self, name: DType, fallback: torch.dtype | None = None) -> torch.dtype:
+        if name == "auto":
+            if fallback is not None:
+                return fallback
+            cuda_bf16 = self.root_device.type == "cuda" and torch.cuda.is_bf16_supported()
+            return torch.bfloat16 if cuda_bf16 else torch.float32
+        return getattr(torch, name)
+
+    @abstractmethod
+    def is_placed(self, network: torch.nn.Module) -> bool:
+        """Whether ``network`` was already placed by this strategy (validate/test after fit reuse it)."""
+
+    @abstractmethod
+    def place(self, network: torch.nn.Module, module: pl.LightningModule) -> None:
+        """Put ``network`` on the devices and fill its weights with ``module.initialize_weights``."""
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        network = getattr(module, "model", None)
+        if not isinstance(network, torch.nn.Module) or not hasattr(module, "initialize_weights"):
+            raise TypeError(
+                f"{type(self).__name__} places `LightningModule.model` and fills it with "
+                "`LightningModule.initialize_weights(blocks)`; lit_fsdp.CausalLM provides both"
+            )
+        if trainer.precision not in ("32-true", "32"):
+            raise ValueError(
+                f"--trainer.precision {trainer.precision} is not used by {type(self).__name__}; leave it at 32-true and "
+                "set --trainer.strategy.init_args.param_dtype bfloat16 instead"
+            )
+        if not self.is_placed(network):
+            self.place(network, module)
+        module.to(self.root_device)  # metrics and any other state outside the network
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        summary = (cls.__doc__ or cls.__name__).strip().splitlines()[0]
+        strategy_registry.register(cls.strategy_name, cls, description=f"{summary} (lit_fsdp)")
+
+
+class FSDP2Strategy(CausalLMStrategy):
     """Fully sharded data parallel (FSDP2, ``fully_shard``) for Hugging Face causal LMs."""
 
     strategy_name = "lit_fsdp"
@@ -89,27 +194,16 @@ class FSDP2Strategy(ModelParallelStrategy):
             process_group_backend: ``gloo`` or ``nccl``; default from the device.
             timeout: Collective timeout.
         """
-        super().__init__(
-            data_parallel_size="auto",
-            tensor_parallel_size="auto",
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
-        if blocks_per_group < 1 or activation_checkpointing < 0 or prefetch < 0:
-            raise ValueError(
-                f"blocks_per_group must be >= 1 and activation_checkpointing, prefetch >= 0; got "
-                f"{blocks_per_group}, {activation_checkpointing}, {prefetch}"
-            )
+        super().__init__(param_dtype, activation_checkpointing, save_distributed_checkpoint, process_group_backend, timeout)
+        if blocks_per_group < 1 or prefetch < 0:
+            raise ValueError(f"blocks_per_group must be >= 1 and prefetch >= 0; got {blocks_per_group}, {prefetch}")
         if replicate_size is not None and (replicate_size < 1 or sharding != "HYBRID_SHARD"):
             raise ValueError(f"replicate_size={replicate_size} needs sharding=HYBRID_SHARD and a value >= 1")
         self.sharding = sharding
         self.replicate_size = replicate_size
         self.block_class = block_class
         self.blocks_per_group = blocks_per_group
-        self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
-        self.activation_checkpointing = activation_checkpointing
         self.compile_blocks = compile_blocks
         self.prefetch = prefetch
         if compression is not None and compression.method != "none":
@@ -136,31 +230,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             return (replicas, world_size // replicas)
         return (world_size,)
 
-    def setup_environment(self) -> None:
-        if self.root_device.type == "cpu":
-            # Lightning's launcher limits threads (cores / processes) only in the process that launches
-            # the others; the ranks it starts keep every core each and oversubscribe the CPU.
-            _set_num_threads_if_needed(self.num_processes)
-        self._setup_distributed()
-        shape = self.mesh_shape(self.world_size, self.num_nodes)
-        names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
-        self.lightning_module._device_mesh = self._device_mesh
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        # Every rank is a data-parallel rank: there is no tensor parallelism here.
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
     # --- model -----------------------------------------------------------------------------------
-
-    def resolve_dtype(self, name: DType, fallback: torch.dtype | None = None) -> torch.dtype:
-        if name == "auto":
-            if fallback is not None:
-                return fallback
-            cuda_bf16 = self.root_device.type == "cuda" and torch.cuda.is_bf16_supported()
-            return torch.bfloat16 if cuda_bf16 else torch.float32
-        return getattr(torch, name)
 
     def sharding_plan(self) -> ShardingPlan:
         param_dtype = self.resolve_dtype(self.param_dtype)
@@ -179,34 +249,25 @@ class FSDP2Strategy(ModelParallelStrategy):
             prefetch=self.prefetch,
         )
 
-    def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        module = self.lightning_module
-        network = getattr(module, "model", None)
-        if not isinstance(network, torch.nn.Module) or not hasattr(module, "initialize_weights"):
-            raise TypeError(
-                f"{type(self).__name__} shards `LightningModule.model` and fills it with "
-                "`LightningModule.initialize_weights(blocks)`; lit_fsdp.CausalLM provides both"
-            )
-        if trainer.precision not in ("32-true", "32"):
-            raise ValueError(
-                f"--trainer.precision {trainer.precision} is not used with FSDP2; leave it at 32-true and set "
-                "--trainer.strategy.init_args.param_dtype bfloat16 instead"
-            )
-        if not isinstance(network, FSDPModule):  # validate/test after fit reuse the sharded model
-            blocks, self.fsdp_modules = parallelize(network, self.sharding_plan())
-            materialize(network, self.root_device)
-            module.initialize_weights(blocks)
-            if self.comm_hook is not None:
-                for fsdp_module in self.fsdp_modules:
-                    self.comm_hook.register(fsdp_module, self.device_mesh)
-        module.to(self.root_device)  # metrics and any other state outside the network
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            _optimizers_to_device(self.optimizers, self.root_device)
-        self.setup_precision_plugin()
+    def preflight(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        super().preflight(trainer, module)
+        if self.compression is not None:
+            self.compression.build(rank=0)  # unknown method, out-of-range parameter: fail here
+
+    def is_placed(self, network: torch.nn.Module) -> bool:
+        return isinstance(network, FSDPModule)
+
+    def place(self, network: torch.nn.Module, module: pl.LightningModule) -> None:
+        blocks, self.fsdp_modules = parallelize(network, self.sharding_plan())
+        materialize(network, self.root_device)
+        module.initialize_weights(blocks)
+        if self.comm_hook is not None:
+            for fsdp_module in self.fsdp_modules:
+                self.comm_hook.register(fsdp_module, self.device_mesh)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        _optimizers_to_device(self.optimizers, self.root_device)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -218,7 +279,3 @@ class FSDP2Strategy(ModelParallelStrategy):
         finally:
             for fsdp_module in self.fsdp_modules:
                 fsdp_module.set_requires_gradient_sync(True, recurse=False)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: dict) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="FSDP2 for Hugging Face causal LMs (lit_fsdp)")

@@ -74,3 +74,34 @@ class CountReduceScatters:
 
     def register(self, module: FSDPModule, mesh: DeviceMesh) -> None:
         module.set_custom_reduce_scatter(CountingReduceScatter(self.path))
+
+
+class MaxResidentBlocks(pl.Callback):
+    """Writes to ``path`` the most transformer blocks whose weights were on the device at once, seen from hooks of its own.
+
+    It counts, at every block forward and at every parameter's gradient accumulation, the blocks with any
+    parameter holding values (SlideFSDP binds parameters to an empty tensor when a block is not resident).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.most = 0
+
+    def on_train_start(self, trainer, pl_module):
+        from lit_fsdp.parallelize import find_blocks
+
+        blocks = [block for _, block in find_blocks(pl_module.model)]
+
+        def count(*_):
+            resident = sum(any(p.numel() > 0 for p in block.parameters()) for block in blocks)
+            self.most = max(self.most, resident)
+
+        for block in blocks:
+            block.register_forward_pre_hook(count)
+            block.register_forward_hook(count)
+            for param in block.parameters():
+                param.register_post_accumulate_grad_hook(count)
+
+    def on_train_end(self, trainer, pl_module):
+        with open(f"{self.path}.rank{trainer.global_rank}", "w") as f:
+            f.write(str(self.most))

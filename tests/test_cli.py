@@ -10,6 +10,7 @@ from tests.helpers import REPO, run_cli
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
+SLIDE = ["--trainer.strategy.class_path", "offload.SlideFSDPStrategy"]
 
 
 def print_config(capsys, *configs) -> dict:
@@ -24,8 +25,10 @@ def print_config(capsys, *configs) -> dict:
 def test_config_parses_alone_and_after_quickstart(capsys, config):
     alone = print_config(capsys, config)
     composed = print_config(capsys, QUICKSTART, config)
-    assert alone["trainer"]["strategy"]["class_path"].endswith("FSDP2Strategy")
     mine = yaml.safe_load(config.read_text())
+    strategy = (mine.get("trainer") or {}).get("strategy", {}).get("class_path", "FSDP2Strategy").split(".")[-1]
+    for resolved in (alone, composed):  # the config's strategy, or FSDP2 by default, wins over the quickstart's
+        assert resolved["trainer"]["strategy"]["class_path"].split(".")[-1] == strategy
     for key, value in (mine.get("model") or {}).items():  # the later file wins
         assert composed["model"][key] == value
 
@@ -45,10 +48,17 @@ def test_quickstart_resolves_to_synthetic_data_on_two_cpu_processes(capsys):
         (["--data", "lit_fsdp.data.wikipedia.WikipediaDataModule", "--data.train_path", "missing.json"], "missing.json"),
         (["--trainer.strategy", "ddp"], "need lit_fsdp.strategy.FSDP2Strategy"),
         (["--data.seq_len", "4096"], "--data.seq_len 4096 is longer than the model's 512 positions"),
+        ([*SLIDE, "--trainer.strategy.init_args.window", "0"], "window=0"),
+        ([*SLIDE, "--trainer.strategy.init_args.activation_offload", "cpu"], "set activation_checkpointing >= 1"),
+        ([*SLIDE, "--trainer.strategy.init_args.param_transfer", "shard", "--trainer.devices", "1"],
+         "one process per node"),
+        (["--trainer.strategy", "slide_fsdp", "--model.preset", "llama-8b", "--model.config_overrides",
+          "{num_hidden_layers: 256}"], "of host memory per node"),
         (["--data", "lit_fsdp.data.wikipedia.WikipediaDataModule", "--data.train_path", "tiny.jsonl",
           "--data.vocab_size", "300", "--data.seq_len", "500", "--trainer.devices", "1"], "use a shorter --data.seq_len"),
     ],
-    ids=["unknown-preset", "mesh", "missing-file", "other-strategy", "seq-len-vs-model", "seq-len-vs-data"],
+    ids=["unknown-preset", "mesh", "missing-file", "other-strategy", "seq-len-vs-model", "offload-window",
+         "offload-activations-without-checkpointing", "offload-shard-alone", "offload-host-memory", "seq-len-vs-data"],
 )
 def test_bad_input_fails_with_one_line(tmp_path, args, message):
     (tmp_path / "tiny.jsonl").write_text('{"id": "1", "title": "Tiny", "text": "Only a few words of text."}\n')

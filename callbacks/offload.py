@@ -1,0 +1,88 @@
+"""What SlideFSDP's offload costs per optimizer step: host-device traffic, CPU update time and how much of it was hidden."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from callbacks.run_folder import log_metrics
+
+_GB = 1e9
+
+
+class OffloadStats(pl.Callback):
+    """Logs ``offload/*`` per optimizer step under ``offload.SlideFSDPStrategy`` and summarises them for the results record.
+
+    Per step: gigabytes copied host-to-device (weights, checkpointed activations) and device-to-host
+    (gradients, activations) and their rates, measured between CUDA events on the copy streams (on
+    a CPU "device", around the copies); the time of the CPU AdamW updates and the share of it that
+    ran while the backward was still running (hidden). The record also gets the node's host state
+    (master weights, moments, staging copy, kept gradients) in GB and per billion parameters.
+    """
+
+    def __init__(self, warmup_steps: int = 2):
+        """
+        Args:
+            warmup_steps: Optimizer steps left out of the summary (allocation and first-touch of host buffers).
+        """
+        self.warmup_steps = warmup_steps
+        self.steps: list[Any] = []
+        self._host: dict[str, float] | None = None
+        self._trainer: pl.Trainer | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps, self._host, self._trainer = [], None, trainer
+        if getattr(trainer.strategy, "engine", None) is None:
+            rank_zero_warn(f"OffloadStats measures offload.SlideFSDPStrategy; {type(trainer.strategy).__name__} has none")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None or trainer.fit_loop._should_accumulate() or engine.last_step is None:
+            return
+        step = engine.last_step
+        self.steps.append(step)
+        log_metrics(trainer, {f"offload/{key}": value for key, value in self._figures([step]).items()})
+
+    @staticmethod
+    def _figures(steps: list[Any]) -> dict[str, float]:
+        mean = statistics.fmean
+        update_s = mean(s.cpu_update_s for s in steps)
+        h2d_s, d2h_s = mean(s.h2d_s for s in steps), mean(s.d2h_s for s in steps)
+        return {
+            "h2d_gb": mean(s.h2d_bytes for s in steps) / _GB,
+            "h2d_gbps": mean(s.h2d_bytes for s in steps) / _GB / h2d_s if h2d_s > 0 else 0.0,
+            "d2h_gb": mean(s.d2h_bytes for s in steps) / _GB,
+            "d2h_gbps": mean(s.d2h_bytes for s in steps) / _GB / d2h_s if d2h_s > 0 else 0.0,
+            "cpu_update_ms": update_s * 1000,
+            "cpu_update_hidden_share": mean(s.cpu_update_hidden_s for s in steps) / update_s if update_s > 0 else 0.0,
+            "backward_ms": mean(s.backward_s for s in steps) * 1000,
+        }
+
+    def _host_state(self) -> dict[str, float]:
+        """The node's host state in GB (summed over its ranks: a collective, run once on every rank)."""
+        if self._host is None:
+            trainer, strategy = self._trainer, self._trainer.strategy
+            mine = torch.tensor(float(strategy.host_state_bytes()), dtype=torch.float64)
+            total = strategy.reduce(mine, reduce_op="sum") if trainer.world_size > 1 else mine
+            per_node = float(total) / trainer.num_nodes / _GB
+            billions = strategy.parameter_count() / 1e9
+            self._host = {"host_state_gb_per_node": per_node, "host_gb_per_billion_params": per_node / billions}
+        return self._host
+
+    def summary(self) -> dict[str, Any]:
+        """Means over the steps after warm-up (``offload_*``) and the host state; empty without SlideFSDP."""
+        if self._trainer is None or getattr(self._trainer.strategy, "engine", None) is None or not self.steps:
+            return {}
+        steps = self.steps[self.warmup_steps :] or self.steps
+        record = {f"offload_{key}": value for key, value in self._figures(steps).items()}
+        record.update(self._host_state())
+        return record
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        summary = self.summary()
+        if summary:
+            log_metrics(trainer, {f"offload/{key}": value for key, value in summary.items() if key.startswith("host")})

@@ -1,0 +1,142 @@
+"""Activation checkpointing for SlideFSDP, with the checkpointed block inputs optionally kept on the host.
+
+A checkpointed block runs its forward without recording a graph and keeps only its input. In the
+backward it loads its weights, recomputes its forward from that input and back-propagates through
+it (the reentrant scheme: the block's parameter gradients accumulate during that inner backward).
+With ``activation_offload: cpu`` the kept input is copied to pinned host memory in the forward and
+copied back in the backward; block i-1's input is fetched while block i computes, so the copies
+overlap, and device memory for activations does not grow with depth.
+
+Non-checkpointed blocks are marked with ``BeforeBackward``: an identity whose backward loads the
+block's weights (and prefetches the next ones) just before the block's own backward runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from offload.engine import SlideEngine
+
+
+class BeforeBackward(torch.autograd.Function):
+    """Identity in forward; in backward, calls ``engine.before_backward(block)`` first."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, engine: SlideEngine, block: int) -> torch.Tensor:
+        ctx.engine, ctx.block = engine, block
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.engine.before_backward(ctx.block)
+        return grad, None, None
+
+
+class _Recomputed(torch.autograd.Function):
+    """The checkpointed forward of one block (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, run: Any, engine: SlideEngine, block: int) -> torch.Tensor:
+        ctx.run, ctx.engine, ctx.block = run, engine, block
+        with torch.no_grad():
+            output = run(hidden)
+        engine.activations.keep(block, hidden)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        engine, block = ctx.engine, ctx.block
+        engine.before_backward(block)
+        hidden = engine.activations.fetch(block).detach().requires_grad_(True)
+        with torch.enable_grad():
+            output = ctx.run(hidden)
+        torch.autograd.backward(output, grad)
+        return hidden.grad, None, None, None
+
+
+class CheckpointedBlock(nn.Module):
+    """Wraps a block so that its forward is checkpointed; parameter names are those of the block.
+
+    The attribute has the name ``checkpoint_wrapper`` uses, which ``lit_fsdp.weights.clean_name``
+    removes: checkpoints and init seeds see the same names with and without checkpointing.
+    """
+
+    def __init__(self, block: nn.Module, engine: SlideEngine, index: int):
+        super().__init__()
+        self._checkpoint_wrapped_module = block
+        self._engine = [engine]  # in a list: not registered as a submodule
+        self.index = index
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        inputs = [*args, *kwargs.values()]
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+            raise RuntimeError(
+                "SlideFSDP's activation checkpointing back-propagates into a block's hidden states only, but "
+                f"block {self.index} got another input that requires grad; set activation_checkpointing: 0"
+            )
+        block = self._checkpoint_wrapped_module
+        if not torch.is_grad_enabled():
+            return block(hidden_states, *args, **kwargs)
+
+        def run(hidden: torch.Tensor) -> torch.Tensor:
+            return block(hidden, *args, **kwargs)
+
+        return _Recomputed.apply(hidden_states, run, self._engine[0], self.index)
+
+
+class ActivationStore:
+    """The inputs of checkpointed blocks between their forward and their backward: on the device or on the host."""
+
+    def __init__(self, engine: SlideEngine, offload: bool, pin: bool):
+        self.engine = engine
+        self.offload = offload
+        self.pin = pin
+        self.kept: dict[int, torch.Tensor] = {}
+        self.host: dict[int, torch.Tensor] = {}  # reusable pinned buffers, one per block
+        self.fetched: dict[int, tuple[torch.Tensor, Any]] = {}  # block -> (device tensor, ready event)
+
+    def keep(self, block: int, hidden: torch.Tensor) -> None:
+        if not self.offload:
+            self.kept[block] = hidden.detach()
+            return
+        buffer = self.host.get(block)
+        if buffer is None or buffer.shape != hidden.shape or buffer.dtype != hidden.dtype:
+            buffer = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=self.pin)
+            self.host[block] = buffer
+        self.engine.transfers.d2h(buffer, hidden.detach())
+        self.kept[block] = buffer
+
+    def prefetch(self, block: int) -> None:
+        """Start copying block's kept input back to the device (backward, while a later block computes)."""
+        if not self.offload or block not in self.kept or block in self.fetched:
+            return
+        transfers, source = self.engine.transfers, self.kept[block]
+        with transfers.on_h2d_stream(after=None):
+            if transfers.on_cuda:
+                # the D2H copy of this buffer (forward) must have finished before it is read back
+                transfers.h2d_stream.wait_stream(transfers.d2h_stream)
+            target = torch.empty(source.shape, dtype=source.dtype, device=transfers.device)
+            transfers.h2d(target, source)
+            ready = transfers.record()
+        self.fetched[block] = (target, ready)
+
+    def fetch(self, block: int) -> torch.Tensor:
+        """Block's input on the device (waits for its prefetch, or copies it now)."""
+        if not self.offload:
+            return self.kept.pop(block)
+        self.prefetch(block)
+        target, ready = self.fetched.pop(block)
+        self.kept.pop(block)
+        self.engine.transfers.wait(ready)
+        if self.engine.transfers.on_cuda:
+            target.record_stream(torch.cuda.current_stream(target.device))
+        return target
+
+    def clear(self) -> None:
+        """Drop what a step left (an interrupted backward); the pinned buffers are kept for reuse."""
+        self.kept.clear()
+        self.fetched.clear()

@@ -1,0 +1,193 @@
+"""SlideFSDP's step: hooks that stream blocks through the device window and send each unit's gradients to the CPU update.
+
+- **forward**: the network's pre-hook makes the root resident and prefetches the first blocks; block
+  i's pre-hook makes it resident and prefetches i+1..i+window-1; its post-hook releases it, except
+  the last window-1 blocks of a training forward, which the backward needs first.
+- **backward**: just before block i's backward (``BeforeBackward``, or the checkpointed block's own
+  backward) block i is made resident and i-1..i-window+1 prefetched, with their checkpointed inputs.
+  When the last gradient of a unit's parameters has accumulated, the unit's gradients are reduced
+  and copied to the host, its slot is released, and its CPU update starts on the worker thread while
+  the device goes on with the units before it.
+- **optimizer step**: wait for the outstanding updates; with clipping, first the global norm, then
+  every update (the updates cannot start before the norm is known: that overlap is lost).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from offload.checkpointing import ActivationStore, BeforeBackward, CheckpointedBlock
+from offload.cpu_adam import CpuAdam
+from offload.gradients import GradientPipeline
+from offload.layout import UnitLayout
+from offload.residency import DeviceWindow
+from offload.transfers import Transfers
+
+IDLE, FORWARD, BACKWARD = "idle", "forward", "backward"
+
+
+@dataclass
+class OffloadStep:
+    """What one optimizer step moved and spent (host-device bytes and seconds, CPU update time and its hidden part)."""
+
+    h2d_bytes: int
+    h2d_s: float
+    d2h_bytes: int
+    d2h_s: float
+    cpu_update_s: float
+    cpu_update_hidden_s: float  # the part of the CPU updates that ran while the backward was still running
+    backward_s: float
+
+
+def overlap(interval: tuple[float, float], window: tuple[float, float]) -> float:
+    return max(0.0, min(interval[1], window[1]) - max(interval[0], window[0]))
+
+
+class SlideEngine:
+    """The hooks and the per-step state of SlideFSDP over one network (see the module docstring)."""
+
+    def __init__(
+        self,
+        network: nn.Module,
+        blocks: list[tuple[str, nn.Module]],
+        layouts: list[UnitLayout],
+        window: DeviceWindow,
+        gradients: GradientPipeline,
+        transfers: Transfers,
+        checkpoint_every: int,
+        offload_activations: bool,
+        pin: bool,
+    ):
+        """
+        Args:
+            blocks: The network's blocks in forward order; ``layouts`` has one layout per block, then the root.
+        """
+        self.network = network
+        self.layouts = layouts
+        self.root = len(layouts) - 1
+        self.num_blocks = len(blocks)
+        self.window, self.gradients, self.transfers = window, gradients, transfers
+        self.activations = ActivationStore(self, offload_activations, pin)
+        self.phase = IDLE
+        self.accumulating = False  # inside Lightning's block_backward_sync: no update at this backward
+        self.clipping = False  # the optimizer step clips: updates wait for the global norm
+        self.arrived = [0] * len(layouts)  # gradients accumulated per unit in the current backward
+        self.last_step: OffloadStep | None = None  # the figures of the last optimizer step
+        self._backward_window = (0.0, 0.0)
+        self._handles: list[RemovableHandle] = []
+        self.keep_after_forward = max(0, len(window.slots) - 1)
+        self.checkpointed = self._wrap_and_hook(blocks, checkpoint_every)
+
+    # --- installation ------------------------------------------------------------------------------
+
+    def _wrap_and_hook(self, blocks: list[tuple[str, nn.Module]], checkpoint_every: int) -> set[int]:
+        checkpointed = set()
+        for index, (name, block) in enumerate(blocks):
+            if checkpoint_every and index % checkpoint_every == 0:
+                parent_name, _, child = name.rpartition(".")
+                setattr(self.network.get_submodule(parent_name), child, CheckpointedBlock(block, self, index))
+                checkpointed.add(index)
+            self._handles.append(block.register_forward_pre_hook(lambda _m, _a, i=index: self.before_forward(i)))
+            self._handles.append(block.register_forward_hook(lambda _m, _a, out, i=index: self.after_forward(i, out)))
+        for unit, layout in enumerate(self.layouts):
+            for place in layout.places:
+                self._handles.append(place.param.register_post_accumulate_grad_hook(lambda _p, u=unit: self.on_gradient(u)))
+        self._handles.append(self.network.register_forward_pre_hook(lambda _m, _a: self.before_network()))
+        return checkpointed
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # --- forward ---------------------------------------------------------------------------------
+
+    def before_network(self) -> None:
+        self.window.ensure_root()
+        if self.phase != BACKWARD:
+            for block in range(min(self.num_blocks, len(self.window.slots))):
+                self.window.prefetch(block)
+
+    def before_forward(self, block: int) -> None:
+        self.window.ensure(block)
+        if self.phase == BACKWARD:  # recomputation of a checkpointed block
+            return
+        for ahead in range(block + 1, min(self.num_blocks, block + len(self.window.slots))):
+            self.window.prefetch(ahead)
+
+    def after_forward(self, block: int, output: Any) -> Any:
+        if self.phase == BACKWARD:
+            return output
+        training = self.phase == FORWARD
+        if not (training and block >= self.num_blocks - self.keep_after_forward):
+            self.window.release(block)
+        if training and block not in self.checkpointed and isinstance(output, torch.Tensor) and output.requires_grad:
+            return BeforeBackward.apply(output, self, block)
+        return output
+
+    # --- backward --------------------------------------------------------------------------------
+
+    def begin_backward(self) -> None:
+        self.phase = BACKWARD
+        self.arrived = [0] * len(self.layouts)
+        self._backward_window = (time.perf_counter(), float("inf"))
+
+    def before_backward(self, block: int) -> None:
+        self.window.ensure(block)
+        for behind in range(block - 1, max(-1, block - len(self.window.slots)), -1):
+            self.window.prefetch(behind)
+        self.activations.prefetch(block - 1)
+
+    def on_gradient(self, unit: int) -> None:
+        self.arrived[unit] += 1
+        if self.arrived[unit] == len(self.layouts[unit].places):
+            self._unit_done(unit)
+
+    def _unit_done(self, unit: int) -> None:
+        places = self.layouts[unit].places
+        grads = [place.param.grad for place in places]
+        for place in places:
+            place.param.grad = None
+        update_now = not (self.accumulating or self.clipping)
+        self.gradients.reduce_and_offload(unit, grads, update_now)
+        if unit == self.root:
+            self.window.root_used()
+        else:
+            self.window.release(unit)
+
+    def end_backward(self) -> None:
+        """After ``loss.backward()``: units with some gradients missing (unused parameters) are sent as they are."""
+        for unit, count in enumerate(self.arrived):
+            if 0 < count < len(self.layouts[unit].places):
+                self._unit_done(unit)
+        for block in list(self.window.resident):
+            self.window.release(block)
+        self.activations.clear()
+        self.phase = IDLE
+        self._backward_window = (self._backward_window[0], time.perf_counter())
+
+    # --- optimizer step ----------------------------------------------------------------------------
+
+    def finish_step(self, adam: CpuAdam) -> OffloadStep:
+        """Wait for every CPU update of this step (starting the kept ones first) and account for it."""
+        adam.wait()  # the gradients of this step have all arrived (and were applied, without clipping)
+        for unit in self.gradients.kept_units():  # with clipping: every update, now that the norm is known
+            adam.submit(lambda u=unit: self.gradients.update(u))
+        adam.wait()
+        self.window.root_stale = True
+        totals = self.transfers.take_totals()
+        intervals, adam.update_intervals = adam.update_intervals, []
+        step = OffloadStep(
+            h2d_bytes=totals.h2d_bytes, h2d_s=totals.h2d_s, d2h_bytes=totals.d2h_bytes, d2h_s=totals.d2h_s,
+            cpu_update_s=sum(end - start for start, end in intervals),
+            cpu_update_hidden_s=sum(overlap(interval, self._backward_window) for interval in intervals),
+            backward_s=self._backward_window[1] - self._backward_window[0],
+        )
+        self.last_step = step
+        return step

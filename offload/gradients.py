@@ -1,0 +1,140 @@
+"""From a unit's finished gradients on the device to its CPU update: reduce, copy to the host, accumulate, step.
+
+``grad_sync: gpu_reduce`` reduce-scatters the unit's gradients across the node's devices (and
+all-reduces the shard across nodes), so each rank copies only its 1/N to the host. ``cpu_reduce``
+copies the whole gradient to the host and all-reduces it there with gloo, on the worker thread,
+so the device does no collective; each rank then keeps its 1/N. Gradients are averaged over all
+ranks, as FSDP2 averages them.
+
+The host side runs on the CPU optimizer's worker thread while the device goes on with the backward
+of the units before it: wait for the copy, then either update the unit at once, or add the gradient
+to the unit's kept buffer (gradient accumulation, clipping) and update it at the optimizer step.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from offload.cpu_adam import CpuAdam
+from offload.host import HostState
+from offload.layout import UnitLayout
+from offload.transfers import Event, Transfers
+
+
+class GradientPipeline:
+    """Reduce, offload and apply each unit's gradients (see the module docstring)."""
+
+    def __init__(
+        self,
+        layouts: list[UnitLayout],
+        host: HostState,
+        adam: CpuAdam | None,
+        transfers: Transfers,
+        gpu_reduce: bool,
+        reduce_dtype: torch.dtype,
+        world_size: int,
+        shard_rank: int,
+        shard_group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+        host_group: dist.ProcessGroup | None,
+    ):
+        """
+        Args:
+            adam: The CPU optimizer; None when not fitting (nothing is updated).
+            shard_group: The node's ranks (reduce-scatter); replicate_group: the same shard on every node.
+            host_group: A gloo group of all ranks used only from the worker thread (``cpu_reduce``).
+        """
+        self.layouts, self.host, self.adam, self.transfers = layouts, host, adam, transfers
+        self.gpu_reduce = gpu_reduce
+        self.reduce_dtype = reduce_dtype
+        self.world_size, self.shard_rank = world_size, shard_rank
+        self.shard_group, self.replicate_group, self.host_group = shard_group, replicate_group, host_group
+        self.received = [0] * len(layouts)  # micro-batches added to each kept buffer since the last update
+
+    def reduce_and_offload(self, unit: int, gradients: list[torch.Tensor | None], update_now: bool) -> None:
+        """Send ``unit``'s full gradients (device, one per parameter; None counts as zero) to the host update."""
+        layout = self.layouts[unit]
+        device = next((g.device for g in gradients if g is not None), self.transfers.device)
+        flat = torch.empty(layout.shard_numel * layout.shards, dtype=self.reduce_dtype, device=device)
+        layout.scatter_to_rank_major(gradients, flat)
+        if self.gpu_reduce:
+            shard = flat
+            if layout.shards > 1:
+                shard = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=device)
+                dist.reduce_scatter_tensor(shard, flat, group=self.shard_group)
+            if self.replicate_group is not None:
+                dist.all_reduce(shard, group=self.replicate_group)
+            if self.world_size > 1:
+                shard.div_(self.world_size)
+            incoming = self.host.incoming.acquire(shard.numel())
+            copied = self.transfers.d2h(incoming, shard)
+        else:
+            incoming = self.host.incoming.acquire(flat.numel())
+            copied = self.transfers.d2h(incoming, flat)
+        self.adam.submit(partial(self._on_host, unit, incoming, copied, update_now))
+
+    def _on_host(self, unit: int, incoming: torch.Tensor, copied: Event, update_now: bool) -> None:
+        """Worker thread: the unit's gradient is (being) copied into ``incoming``; reduce it here if needed, apply it."""
+        self.transfers.synchronize(copied)
+        layout = self.layouts[unit]
+        shard = incoming
+        if not self.gpu_reduce:
+            if self.world_size > 1:
+                dist.all_reduce(incoming, group=self.host_group)
+            shard = incoming[self.shard_rank * layout.shard_numel : (self.shard_rank + 1) * layout.shard_numel]
+            if self.world_size > 1:
+                shard.div_(self.world_size)
+        if self.host.gradients is not None:
+            kept = self.host.gradients[unit]
+            if self.received[unit]:
+                kept.add_(shard)
+            else:
+                kept.copy_(shard)
+            self.received[unit] += 1
+            self.host.incoming.release(incoming)
+            if update_now:
+                self.update(unit)
+            return
+        if shard.dtype != torch.float32:
+            shard = self.host.scratch[: layout.shard_numel].copy_(shard)
+        self._step(unit, shard)
+        self.host.incoming.release(incoming)
+
+    def update(self, unit: int) -> None:
+        """Apply the kept gradient of ``unit`` (worker thread or idle worker)."""
+        self._step(unit, self.host.gradients[unit])
+        self.received[unit] = 0
+
+    def _step(self, unit: int, gradient: torch.Tensor) -> None:
+        self.adam.update(unit, self.layouts[unit].local_views(gradient))
+        self.host.write_staging(unit)
+
+    # --- at the optimizer step -------------------------------------------------------------------
+
+    def kept_units(self) -> list[int]:
+        """Units whose kept gradient has not been applied yet."""
+        return [unit for unit, count in enumerate(self.received) if count]
+
+    def clip_kept(self, max_norm: float, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
+        """Scale the kept gradients so that their global norm is at most ``max_norm``; returns the norm before.
+
+        The norm covers every rank's rows (``norm_group`` sums over the node's shards; replicas hold
+        the same rows and are not counted twice), as ``torch.nn.utils.clip_grad_norm_`` computes it.
+        """
+        assert self.host.gradients is not None, "clipping needs kept gradient buffers"
+        self.adam.wait()
+        norms = [
+            torch.linalg.vector_norm(view)
+            for unit in self.kept_units() for view in self.layouts[unit].local_views(self.host.gradients[unit])
+        ]
+        squared = torch.linalg.vector_norm(torch.stack(norms)).pow(2) if norms else torch.zeros(())
+        if norm_group is not None:
+            dist.all_reduce(squared, group=norm_group)
+        total = squared.sqrt()
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for unit in self.kept_units():
+            self.host.gradients[unit].mul_(coefficient)
+        return total

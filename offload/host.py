@@ -1,0 +1,175 @@
+"""SlideFSDP's host memory: fp32 master shards, the staging copy the device loads from, and gradient buffers.
+
+Per unit and rank:
+
+- **master**: this rank's rows of every parameter (shard layout, fp32). The ranks of a node own
+  disjoint rows, so a node holds one master copy in all (like FSDP's sharded state), whatever the
+  number of ranks.
+- **staging**: what the device loads, in the compute dtype. With ``param_transfer: shard`` each rank
+  keeps its own rows (shard layout) and the devices all-gather the rest. With ``full`` every rank
+  copies whole blocks, so the node keeps one full copy (full layout) in shared memory that each rank
+  writes its rows into after its update; one process alone keeps it in private memory.
+- **gradients**: a ring of pinned buffers the reduced gradients land in from the device; with
+  gradient accumulation or clipping also one fp32 buffer per unit that holds the sum until the
+  optimizer step (clipping needs every gradient before the first update).
+
+Buffers that cross PCIe (staging, gradient ring) are pinned on GPUs unless pinning is off or fails.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+
+from offload.layout import UnitLayout
+
+SHM_DIR = Path("/dev/shm")
+
+
+def pinned_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
+def can_pin(device: torch.device, wanted: bool) -> bool:
+    """Whether host buffers can be pinned: only for a CUDA device, and only if a test allocation succeeds."""
+    if not wanted or device.type != "cuda":
+        return False
+    try:
+        torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError as error:  # e.g. a container's locked-memory limit
+        rank_zero_warn(f"SlideFSDP: pinning host memory failed ({str(error).splitlines()[0]}); copies use pageable memory")
+        return False
+    return True
+
+
+class SharedStaging:
+    """One file in /dev/shm that the ranks of a node map together: the full-layout staging copy of every unit.
+
+    Local rank 0 creates and sizes it, every local rank maps it, then local rank 0 unlinks the name:
+    the memory lives while a rank maps it, and nothing is left behind if a rank dies.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool, local_rank: int, node_tag: str, group: dist.ProcessGroup):
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        path = SHM_DIR / f"lit_fsdp_slide_{node_tag}"
+        if local_rank == 0:
+            free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+            if free < nbytes:
+                raise RuntimeError(
+                    f"SlideFSDP needs {nbytes / 2**30:.1f} GiB in {SHM_DIR} for the node's shared staging copy, "
+                    f"{free / 2**30:.1f} GiB are free; enlarge it (docker run --shm-size) or set param_transfer: shard"
+                )
+            with open(path, "wb") as f:
+                f.truncate(nbytes)
+        dist.barrier(group=group)
+        self.tensor = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+        dist.barrier(group=group)
+        if local_rank == 0:
+            path.unlink()
+        self.pinned = False
+        if pin:
+            code = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            self.pinned = int(code) == 0
+            if not self.pinned:
+                rank_zero_warn(f"SlideFSDP: cudaHostRegister of the shared staging copy failed (code {int(code)}); "
+                               "host-to-device copies use pageable memory")
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+
+
+class BufferRing:
+    """A fixed number of equal host buffers handed out and given back; ``acquire`` waits for a free one."""
+
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool):
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(count):
+            self._free.put(pinned_empty(numel, dtype, pin))
+
+    def acquire(self, numel: int) -> torch.Tensor:
+        return self._free.get()[:numel]
+
+    def release(self, buffer: torch.Tensor) -> None:
+        base = buffer if buffer._base is None else buffer._base
+        self._free.put(base)
+
+
+class HostState:
+    """Master shards, staging copies and gradient buffers for every unit (see the module docstring)."""
+
+    def __init__(
+        self,
+        layouts: list[UnitLayout],
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        full_staging: bool,
+        keep_gradients: bool,
+        incoming_full: bool,
+        ring_size: int,
+        pin: bool,
+        shared: SharedStaging | None,
+    ):
+        """
+        Args:
+            layouts: Every unit, blocks then root.
+            full_staging: Staging in the full layout (``param_transfer: full``), else this rank's shard.
+            keep_gradients: One fp32 gradient buffer per unit (accumulation, clipping).
+            incoming_full: Gradients arrive whole (``grad_sync: cpu_reduce``), not as this rank's shard.
+            shared: The node's shared memory for full staging, when several ranks share it.
+        """
+        self.layouts = layouts
+        self.full_staging = full_staging
+        self.shared = shared
+        self.master = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in layouts]
+        offset, self.staging = 0, []
+        for layout in layouts:
+            numel = layout.full_numel if full_staging else layout.shard_numel
+            if shared is not None:
+                self.staging.append(shared.tensor[offset : offset + numel])
+                offset += numel
+            else:
+                self.staging.append(pinned_empty(numel, compute_dtype, pin))
+        self.gradients = [torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=False) for layout in layouts] if keep_gradients else None
+        largest = max(layout.shard_numel * (layout.shards if incoming_full else 1) for layout in layouts)
+        self.incoming = BufferRing(ring_size, largest, reduce_dtype, pin)
+        # Without a kept buffer, gradients in another dtype than fp32 are converted here before the update.
+        self.scratch = None if keep_gradients or reduce_dtype == torch.float32 else torch.empty(
+            max(layout.shard_numel for layout in layouts), dtype=torch.float32
+        )
+
+    def write_staging(self, unit: int) -> None:
+        """Copy this rank's master rows of ``unit`` into the staging copy, in the compute dtype."""
+        layout = self.layouts[unit]
+        master_rows = layout.local_views(self.master[unit])
+        if self.full_staging:
+            targets = layout.local_rows_in_full(self.staging[unit])
+        else:
+            targets = layout.local_views(self.staging[unit])
+        for target, rows in zip(targets, master_rows):
+            target.copy_(rows)
+
+    def nbytes(self, count_shared: bool) -> int:
+        """Host bytes of master shards, kept gradients and staging (a shared staging copy only if ``count_shared``)."""
+        tensors = [*self.master, *(self.gradients or [])]
+        if self.shared is None or count_shared:
+            tensors += self.staging
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+
+
+def node_tag(node_rank: int) -> str:
+    """A name shared by the ranks of one job and node, for its shared-memory file (a collective on the world)."""
+    tag = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(tag, src=0)
+    return f"{tag[0]}_node{node_rank}"

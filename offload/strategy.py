@@ -1,0 +1,352 @@
+"""``SlideFSDPStrategy``: train models larger than device memory by streaming blocks from the host (after SlideFormer).
+
+The fp32 master weights and the AdamW moments stay in host memory, sharded across the ranks of a node;
+the device holds the root (embeddings, final norm, head) and a sliding window of ``window`` blocks in
+the compute dtype. Each block's gradients go to the host as soon as its backward is done, and its CPU
+AdamW update runs while the device computes the backward of the blocks before it. The life cycle is
+``CausalLMStrategy``'s, as for FSDP2: the same model, data, callbacks, LR schedule and checkpoint layout.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from lit_fsdp.parallelize import find_blocks
+from lit_fsdp.strategy import CausalLMStrategy, DType
+from offload.cpu_adam import CpuAdam
+from offload.engine import FORWARD, SlideEngine
+from offload.gradients import GradientPipeline
+from offload.host import HostState, SharedStaging, can_pin, node_tag
+from offload.layout import build_layouts
+from offload.residency import DeviceWindow, replace_meta_parameters
+from offload.state_dict import HostStateDict
+from offload.transfers import Transfers
+
+_GIB = 2**30
+
+
+def host_bytes_per_parameter(compute_dtype: torch.dtype, keep_gradients: bool) -> dict[str, int]:
+    """Host bytes per parameter and per node: fp32 master, AdamW moments, staging copy, kept gradients."""
+    parts = {"master": 4, "adam_moments": 8, "staging": torch.empty(0, dtype=compute_dtype).element_size()}
+    if keep_gradients:
+        parts["kept_gradients"] = 4
+    return parts
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo; None where there is no such file."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class SlideFSDPStrategy(CausalLMStrategy):
+    """Layer-streaming CPU offload (SlideFSDP): master weights and AdamW on the host, a window of blocks on the device."""
+
+    strategy_name = "slide_fsdp"
+
+    def __init__(
+        self,
+        window: int = 2,
+        param_transfer: Literal["full", "shard"] = "full",
+        grad_sync: Literal["gpu_reduce", "cpu_reduce"] = "gpu_reduce",
+        activation_offload: Literal["none", "cpu"] = "none",
+        param_dtype: DType = "auto",
+        reduce_dtype: DType = "float32",
+        activation_checkpointing: int = 0,
+        cpu_threads: int | None = None,
+        pin_memory: bool = True,
+        block_class: str | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ):
+        """
+        Args:
+            window: Blocks whose weights may be on the device at once (the block being computed and the ones
+                prefetched); device memory for weights is ``window`` x the largest block, whatever the depth.
+            param_transfer: ``full``: every rank copies whole blocks host-to-device (the node keeps one staging
+                copy in shared memory); ``shard``: every rank copies its 1/N and the devices all-gather the rest.
+            grad_sync: ``gpu_reduce``: reduce-scatter on the devices, each rank copies its 1/N of the gradients to
+                the host; ``cpu_reduce``: whole gradients to the host, all-reduced there with gloo.
+            activation_offload: ``cpu`` keeps the inputs of checkpointed blocks in pinned host memory between
+                forward and backward (needs activation_checkpointing >= 1).
+            param_dtype: Dtype of the weights on the device and of the compute; ``auto`` is bfloat16 on GPUs that
+                support it, else float32. Master weights and AdamW moments stay float32 on the host.
+            reduce_dtype: Dtype the gradients are reduced and copied to the host in; ``auto`` follows ``param_dtype``.
+            activation_checkpointing: Recompute the activations of every k-th block in backward; 0 turns it off.
+            cpu_threads: Threads of this rank's CPU work (the AdamW updates); default: Lightning's (cores / processes).
+            pin_memory: Pin the host buffers that cross PCIe (GPU only); if pinning fails it is turned off with a warning.
+            block_class: Class name of the transformer block; default: the model's ``_no_split_modules``.
+            process_group_backend: Default ``cpu:gloo,cuda:nccl`` on GPUs (host collectives use gloo), ``gloo`` on CPU.
+            timeout: Collective timeout.
+        """
+        super().__init__(param_dtype, activation_checkpointing, True, process_group_backend, timeout)
+        if window < 1:
+            raise ValueError(f"SlideFSDP window={window}: at least 1 block must fit on the device; set window >= 1")
+        if activation_offload == "cpu" and not activation_checkpointing:
+            raise ValueError(
+                "activation_offload: cpu offloads the inputs of checkpointed blocks; set activation_checkpointing >= 1"
+            )
+        if cpu_threads is not None and cpu_threads < 1:
+            raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for Lightning's default")
+        self.window = window
+        self.param_transfer = param_transfer
+        self.grad_sync = grad_sync
+        self.activation_offload = activation_offload
+        self.reduce_dtype = reduce_dtype
+        self.cpu_threads = cpu_threads
+        self.pin_memory = pin_memory
+        self.block_class = block_class
+        self.engine: SlideEngine | None = None
+        self.host: HostState | None = None
+        self.adam: CpuAdam | None = None
+        self.host_state_dict: HostStateDict | None = None
+
+    # --- before any worker starts ------------------------------------------------------------------
+
+    def mesh_shape(self, world_size: int, num_nodes: int) -> tuple[int, int]:
+        """(nodes, processes per node): master state is sharded within a node and the same on every node."""
+        if world_size % num_nodes:
+            raise ValueError(f"SlideFSDP: {world_size} processes do not split evenly over {num_nodes} nodes")
+        return (num_nodes, world_size // num_nodes)
+
+    def keeps_gradients(self, trainer: pl.Trainer) -> bool:
+        """Accumulation and clipping need each unit's gradient kept on the host until the optimizer step."""
+        return trainer.accumulate_grad_batches > 1 or bool(trainer.gradient_clip_val)
+
+    def preflight(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        super().preflight(trainer, module)
+        if self.param_transfer == "shard" and trainer.num_devices < 2:
+            raise ValueError(
+                "SlideFSDP param_transfer: shard all-gathers each block across the devices of a node, but there is "
+                "one process per node; use param_transfer: full or more --trainer.devices"
+            )
+        self.check_host_memory(trainer, module)
+
+    def check_host_memory(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Fail before training if the node's host state cannot fit in the memory available now."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            network = AutoModelForCausalLM.from_config(module.hf_config())
+        parameters = sum(p.numel() for p in network.parameters())
+        parts = host_bytes_per_parameter(self.resolve_dtype(self.param_dtype), self.keeps_gradients(trainer))
+        needed = parameters * sum(parts.values())
+        available = available_host_bytes()
+        if available is not None and needed > available:
+            detail = ", ".join(f"{name} {value}" for name, value in parts.items())
+            raise ValueError(
+                f"SlideFSDP needs about {needed / _GIB:.1f} GiB of host memory per node for {parameters / 1e9:.2f}B "
+                f"parameters ({sum(parts.values())} bytes each: {detail}) but {available / _GIB:.1f} GiB are available; "
+                "use a smaller model or more nodes (gradient clipping and accumulation cost 4 bytes per parameter)"
+            )
+
+    # --- processes -------------------------------------------------------------------------------
+
+    def _get_process_group_backend(self) -> str:
+        if self._process_group_backend:
+            return self._process_group_backend
+        # Host-side collectives (gradients on the CPU, norms, checkpoints) need gloo beside NCCL.
+        return "cpu:gloo,cuda:nccl" if self.root_device.type == "cuda" else "gloo"
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.cpu_threads)
+        shape = self.mesh_shape(self.world_size, self.num_nodes)
+        if self.root_device.type == "cpu":
+            self.cpu_mesh = self.device_mesh
+        else:
+            self.cpu_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        # The worker thread's collectives (cpu_reduce) need a group no other thread uses, or orders could mix.
+        self.host_group = dist.new_group(backend="gloo") if self.grad_sync == "cpu_reduce" else None
+
+    # --- model -----------------------------------------------------------------------------------
+
+    def is_placed(self, network: nn.Module) -> bool:
+        return self.engine is not None and self.engine.network is network
+
+    def place(self, network: nn.Module, module: pl.LightningModule) -> None:
+        trainer = module.trainer
+        device = self.root_device
+        compute = self.resolve_dtype(self.param_dtype)
+        reduce = self.resolve_dtype(self.reduce_dtype, fallback=compute)
+        blocks = find_blocks(network, self.block_class)
+        shard_mesh = self.cpu_mesh["shard"]
+        shards, shard_rank = shard_mesh.size(), shard_mesh.get_local_rank()
+        block_layouts, root_layout = build_layouts(network, blocks, shards, shard_rank)
+        layouts = [*block_layouts, root_layout]
+        replace_meta_parameters(network, layouts, device, compute)
+        pin = can_pin(device, self.pin_memory)
+        full = self.param_transfer == "full"
+        shared = None
+        if full and shards > 1:
+            numel = sum(layout.full_numel for layout in layouts)
+            shared = SharedStaging(numel, compute, pin, shard_rank, node_tag(self.node_rank), shard_mesh.get_group())
+        self.host = HostState(
+            layouts, compute, reduce, full_staging=full, keep_gradients=self.keeps_gradients(trainer),
+            incoming_full=self.grad_sync == "cpu_reduce", ring_size=max(2, self.window), pin=pin, shared=shared,
+        )
+        self.host_state_dict = HostStateDict(network, layouts, self.host.master, self.cpu_mesh)
+        with self.host_state_dict.parameters_as_dtensors():
+            module.initialize_weights(blocks)
+        self.refresh_staging()
+        transfers = Transfers(device)
+        device_shards = self.device_mesh["shard"].get_group() if shards > 1 else None
+        window = DeviceWindow(
+            layouts, len(layouts) - 1, self.host, transfers, self.window, compute, device,
+            shard_group=None if full else device_shards,
+        )
+        window.unbind_all()
+        gradients = GradientPipeline(
+            layouts, self.host, None, transfers, gpu_reduce=self.grad_sync == "gpu_reduce", reduce_dtype=reduce,
+            world_size=self.world_size, shard_rank=shard_rank, shard_group=device_shards,
+            replicate_group=self.device_mesh["replicate"].get_group() if self.num_nodes > 1 else None,
+            host_group=self.host_group,
+        )
+        self.engine = SlideEngine(
+            network, blocks, layouts, window, gradients, transfers, self.activation_checkpointing,
+            self.activation_offload == "cpu", pin,
+        )
+        self.engine.clipping = bool(trainer.gradient_clip_val)
+        self._describe(layouts, compute, shards, pin)
+
+    def _describe(self, layouts: list, compute: torch.dtype, shards: int, pin: bool) -> None:
+        parameters = self.parameter_count()
+        largest = max(layout.full_numel for layout in layouts[:-1]) * torch.empty(0, dtype=compute).element_size()
+        rank_zero_info(
+            f"SlideFSDP: {parameters / 1e6:.1f}M parameters in {len(layouts) - 1} blocks + root; master sharded over "
+            f"{shards} rank(s) per node; device window {self.window} x {largest / 2**20:.1f} MiB in {compute}; "
+            f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}, pinned host buffers: {pin}"
+        )
+
+    def parameter_count(self) -> int:
+        assert self.host is not None
+        return sum(place.numel for layout in self.host.layouts for place in layout.places)
+
+    def host_state_bytes(self) -> int:
+        """This rank's host state: master rows, AdamW moments, kept gradients, staging (shared: counted by local rank 0)."""
+        assert self.host is not None
+        adam = self.adam.nbytes() if self.adam is not None else 0
+        return self.host.nbytes(count_shared=self.cpu_mesh["shard"].get_local_rank() == 0) + adam
+
+    def refresh_staging(self) -> None:
+        """Rewrite every staging copy from the master rows (after init or a checkpoint load)."""
+        assert self.host is not None
+        for unit in range(len(self.host.layouts)):
+            self.host.write_staging(unit)
+        self._staging_barrier()
+        if self.engine is not None:
+            self.engine.window.root_stale = True
+
+    def _staging_barrier(self) -> None:
+        # With a shared staging copy, every rank must have written its rows before any rank loads a block.
+        if self.host is not None and self.host.shared is not None:
+            dist.barrier(group=self.cpu_mesh["shard"].get_group())
+
+    # --- optimizer -------------------------------------------------------------------------------
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(f"SlideFSDP runs one CPU AdamW; configure_optimizers returned {len(self.optimizers)} optimizers")
+        assert self.host is not None and self.engine is not None
+        if self.adam is not None:
+            self.adam.close()
+        self.adam = CpuAdam(self.host.layouts, self.host.master, self.optimizers[0])
+        self.engine.gradients.adam = self.adam
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.engine is not None
+        self.engine.phase = FORWARD
+        return super().training_step(*args, **kwargs)
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        assert self.engine is not None
+        self.engine.begin_backward()
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        assert self.engine is not None
+        self.engine.end_backward()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the host gradients by their global norm (all units, all ranks); the updates then start."""
+        assert self.engine is not None
+        group = self.cpu_mesh["shard"].get_group() if self.cpu_mesh["shard"].size() > 1 else None
+        return self.engine.gradients.clip_kept(max_norm, group)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)  # forward, backward, clipping
+        assert self.engine is not None and self.adam is not None
+        self.engine.finish_step(self.adam)
+        self._staging_barrier()
+        return result
+
+    def block_backward_sync(self):
+        """Micro-batches that do not end an accumulation window add their gradients on the host, with no update."""
+        return _accumulating(self.engine)
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.host_state_dict is not None
+        return self.host_state_dict.model_state()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        assert self.host_state_dict is not None and self.adam is not None
+        return self.host_state_dict.optimizer_state(self.adam)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            raise ValueError(f"{path} is not a sharded checkpoint folder (with {_METADATA_FILENAME}); SlideFSDP resumes from those")
+        assert self.host_state_dict is not None
+        state: dict[str, Any] = {"state_dict": self.host_state_dict.model_state()}
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.adam is not None
+        if fitting:
+            state["optimizer_0"] = self.host_state_dict.optimizer_state(self.adam)
+        dcp.load(state, checkpoint_id=path)
+        if fitting:
+            HostStateDict.restore_groups(self.adam, state["optimizer_0"])
+        self.refresh_staging()
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+    def teardown(self) -> None:
+        if self.adam is not None:
+            self.adam.close()
+            self.adam = None
+        super().teardown()
+
+
+class _accumulating:
+    """Context for Lightning's ``block_backward_sync``: the engine holds the updates of this backward."""
+
+    def __init__(self, engine: SlideEngine | None):
+        self.engine = engine
+
+    def __enter__(self) -> None:
+        if self.engine is not None:
+            self.engine.accumulating = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.engine is not None:
+            self.engine.accumulating = False

@@ -1,0 +1,137 @@
+"""SlideFSDP takes the same steps as FSDP2, resumes exactly, keeps at most `window` blocks on the device, and exports."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from offload.layout import UnitLayout
+from tests.helpers import REPO, fit, run_cli
+from tests.test_resume_and_export import checkpoint_every, digests, record
+
+STEPS = 8
+GLOBAL_BATCH = 4
+FOUR_BLOCKS = ["--model.config_overrides", '{"n_layer": 4}']  # more blocks than the window holds
+SLIDE = ["--trainer.strategy.class_path", "offload.SlideFSDPStrategy"]
+
+
+def knobs(**values) -> list[str]:
+    return [arg for key, value in values.items() for arg in (f"--trainer.strategy.init_args.{key}", str(value))]
+
+
+def common(devices: int, accumulate: int, clip: bool) -> list[str]:
+    return [*FOUR_BLOCKS, "--trainer.accumulate_grad_batches", str(accumulate),
+            "--trainer.gradient_clip_val", "1.0" if clip else "0"]
+
+
+_references: dict = {}
+
+
+def reference(tmp_path_factory, devices: int, accumulate: int, clip: bool) -> dict:
+    """FSDP2's losses for one setting (computed once per module run)."""
+    key = (devices, accumulate, clip)
+    if key not in _references:
+        folder = tmp_path_factory.mktemp(f"fsdp2-{devices}-{accumulate}-{clip}")
+        _references[key] = fit(folder, *common(*key), devices=devices,
+                               batch_size=GLOBAL_BATCH // devices // accumulate, steps=STEPS)
+    return _references[key]
+
+
+# Each case covers several knobs at once: the four param_transfer x grad_sync pairs, window 1 and 2,
+# activation offload on and off, accumulation, and clipping on (updates wait for the norm) and off
+# (updates overlap the backward).
+CASES = [
+    (1, 1, True, dict(window=1)),
+    (2, 1, True, dict(param_transfer="full", grad_sync="gpu_reduce", window=2)),
+    (2, 1, False, dict(param_transfer="full", grad_sync="cpu_reduce", window=1, activation_checkpointing=1,
+                       activation_offload="cpu")),
+    (2, 1, False, dict(param_transfer="shard", grad_sync="gpu_reduce", window=2, activation_checkpointing=1)),
+    (2, 2, True, dict(param_transfer="shard", grad_sync="cpu_reduce", window=1, activation_checkpointing=2,
+                      activation_offload="cpu")),
+    (1, 2, False, dict(window=2, activation_checkpointing=1, activation_offload="cpu")),
+]
+
+
+@pytest.mark.parametrize("devices, accumulate, clip, settings", CASES,
+                         ids=["-".join(map(str, [d, a, c, *s.values()])) for d, a, c, s in CASES])
+def test_same_losses_as_fsdp2_and_at_most_window_blocks_on_device(tmp_path_factory, tmp_path, devices, accumulate, clip, settings):
+    want = reference(tmp_path_factory, devices, accumulate, clip)
+    probe = tmp_path / "resident"
+    got = fit(tmp_path, *common(devices, accumulate, clip), *SLIDE, *knobs(**settings), devices=devices,
+              batch_size=GLOBAL_BATCH // devices // accumulate, steps=STEPS,
+              callbacks=[{"class_path": "tests.probes.MaxResidentBlocks", "init_args": {"path": str(probe)}}])
+    assert len(got["train/loss"]) == STEPS
+    assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5)
+    if clip:
+        assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-5)
+    for rank in range(devices):
+        assert int((tmp_path / f"resident.rank{rank}").read_text()) == settings["window"]
+
+
+def test_resume_at_step_4_of_8_continues_exactly_and_exports(tmp_path):
+    settings = [*SLIDE, *knobs(activation_checkpointing=1, activation_offload="cpu"), "--trainer.gradient_clip_val", "0"]
+    whole = fit(tmp_path / "whole", *settings, steps=STEPS, callbacks=[record(tmp_path / "whole.b")])
+    part, ckpts, logits_file = tmp_path / "part", tmp_path / "ckpt", tmp_path / "logits.pt"
+    first = fit(part, *settings, steps=STEPS,
+                callbacks=[record(tmp_path / "part.b"), {"class_path": "tests.probes.StopAtStep", "init_args": {"step": 4}},
+                           checkpoint_every(4, ckpts)])
+    second = fit(part, *settings, "--ckpt_path", "last", steps=STEPS,
+                 callbacks=[record(tmp_path / "part.b"), checkpoint_every(4, ckpts),
+                            {"class_path": "tests.probes.SaveLogits", "init_args": {"path": str(logits_file)}}])
+    assert len(first["train/loss"]) == 4 and len(second["train/loss"]) == 4
+    assert first["train/loss"] + second["train/loss"] == pytest.approx(whole["train/loss"], rel=1e-5, abs=1e-6)
+    for rank in (0, 1):
+        assert digests(tmp_path / "part.b", rank) == digests(tmp_path / "whole.b", rank)
+
+    from transformers import AutoModelForCausalLM
+
+    run_cli("export", str(ckpts / "last.ckpt"), str(tmp_path / "hf"), cwd=tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    saved = torch.load(logits_file)
+    with torch.no_grad():
+        logits = model(input_ids=saved["input_ids"]).logits
+    torch.testing.assert_close(logits, saved["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_offload_config_records_every_measuring_callback(tmp_path):
+    run_cli(
+        "fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--config", str(REPO / "configs" / "offload.yaml"),
+        "--trainer.max_steps", "12", "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
+        "--trainer.enable_progress_bar", "false", "--data.batch_size", "2",
+        "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path,
+    )
+    record_ = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
+    assert record_["offload_h2d_gb"] > 0 and record_["offload_d2h_gb"] > 0
+    assert record_["offload_h2d_gbps"] > 0 and record_["offload_cpu_update_ms"] > 0
+    assert 0 <= record_["offload_cpu_update_hidden_share"] <= 1
+    # fp32 master 4 + moments 8 + fp32 staging 4 + kept gradients (clipping) 4, plus row padding
+    assert 20 <= record_["host_gb_per_billion_params"] < 21
+    assert record_["tokens_per_s"] > 0 and record_["peak_rss_gb"] > 0
+    assert record_["comm_time_ms_total"] > 0 and record_["profiled_steps"] == 6  # 3 active steps x 2 ranks
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_dir()
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_layout_round_trips_uneven_rows_through_rank_major_buffers(shards):
+    shapes = [(5, 3), (7,), (1, 4), (2, 2, 2)]
+    params = [((f"p{i}",), torch.nn.Parameter(torch.empty(s))) for i, s in enumerate(shapes)]
+    layouts = [UnitLayout.build("unit", params, shards, rank) for rank in range(shards)]
+    values = [torch.randn(s) for s in shapes]
+    rank_major = torch.full((layouts[0].shard_numel * shards,), float("nan"))
+    layouts[0].scatter_to_rank_major(values, rank_major)
+    full = torch.empty(layouts[0].full_numel)
+    layouts[0].gather_to_full(rank_major, full)
+    for got, want in zip(layouts[0].full_views(full), values):
+        torch.testing.assert_close(got, want)
+    for rank, layout in enumerate(layouts):  # each rank's piece is its torch.chunk of rows, padding zeroed
+        shard = rank_major[rank * layout.shard_numel : (rank + 1) * layout.shard_numel]
+        assert not shard.isnan().any()
+        for got, want, place in zip(layout.local_views(shard), values, layout.places):
+            chunk = math.ceil(want.shape[0] / shards)
+            torch.testing.assert_close(got, want[rank * chunk : (rank + 1) * chunk])
+            assert got.shape == place.local_shape
+        for got, want in zip(layout.local_rows_in_full(full), layout.local_views(shard)):
+            torch.testing.assert_close(got, want)
