@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
 @dataclass
@@ -29,6 +29,8 @@ class ShardingPlan:
     checkpoint_every: int = 0
     compile_blocks: bool = False
     prefetch: int = 0
+    cpu_offload: bool = False  # torch's CPUOffloadPolicy: sharded parameters, gradients and the optimizer step on the CPU
+    pin_memory: bool = True
 
 
 def parallelize(model: nn.Module, plan: ShardingPlan) -> tuple[list[tuple[str, nn.Module]], list[FSDPModule]]:
@@ -79,6 +81,7 @@ def apply_compile(blocks: list[tuple[str, nn.Module]]) -> None:
 def apply_fsdp(model: nn.Module, blocks: list[tuple[str, nn.Module]], plan: ShardingPlan) -> list[FSDPModule]:
     """``fully_shard`` each group of ``blocks_per_group`` consecutive blocks, then the root."""
     policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.cpu_offload else OffloadPolicy()
     modules: list[nn.Module] = [block for _, block in blocks]
     groups = [modules[i : i + plan.blocks_per_group] for i in range(0, len(modules), plan.blocks_per_group)]
     sharded = []
@@ -88,11 +91,12 @@ def apply_fsdp(model: nn.Module, blocks: list[tuple[str, nn.Module]], plan: Shar
             mesh=plan.mesh,
             reshard_after_forward=plan.reshard_after_forward,
             mp_policy=policy,
+            offload_policy=offload,
         )
         sharded.append(group[0])
     # The root's parameters (embeddings, final norm, head) are used last in backward: keeping them
     # unsharded after forward saves one all-gather, as torchtitan does.
-    fully_shard(model, mesh=plan.mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=plan.mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
     return [*sharded, model]  # type: ignore[list-item]
 
 

@@ -56,7 +56,9 @@ class CausalLMStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
+        block_class: str | None,
         param_dtype: DType,
+        reduce_dtype: DType,
         activation_checkpointing: int,
         save_distributed_checkpoint: bool,
         process_group_backend: str | None,
@@ -71,7 +73,9 @@ class CausalLMStrategy(ModelParallelStrategy):
         )
         if activation_checkpointing < 0:
             raise ValueError(f"activation_checkpointing must be >= 0 (0 off, k every k-th block), got {activation_checkpointing}")
+        self.block_class = block_class
         self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
         self.activation_checkpointing = activation_checkpointing
 
     # --- before any worker starts ------------------------------------------------------------------
@@ -120,6 +124,10 @@ class CausalLMStrategy(ModelParallelStrategy):
     def place(self, network: torch.nn.Module, module: pl.LightningModule) -> None:
         """Put ``network`` on the devices and fill its weights with ``module.initialize_weights``."""
 
+    def move_module(self, module: pl.LightningModule) -> None:
+        """Move the metrics and any other state outside the network to the device (the network is placed)."""
+        module.to(self.root_device)
+
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -137,7 +145,7 @@ class CausalLMStrategy(ModelParallelStrategy):
             )
         if not self.is_placed(network):
             self.place(network, module)
-        module.to(self.root_device)  # metrics and any other state outside the network
+        self.move_module(module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -165,6 +173,7 @@ class FSDP2Strategy(CausalLMStrategy):
         activation_checkpointing: int = 0,
         compile_blocks: bool = False,
         prefetch: int = 0,
+        cpu_offload: bool = False,
         comm_hook: GradientCommHook | None = None,
         compression: CompressionConfig | None = None,
         save_distributed_checkpoint: bool = True,
@@ -187,6 +196,9 @@ class FSDP2Strategy(CausalLMStrategy):
             compile_blocks: ``torch.compile`` each block.
             prefetch: Units whose parameters are gathered ahead, in forward and backward; 0 leaves FSDP2's
                 implicit one-ahead schedule.
+            cpu_offload: torch's ``CPUOffloadPolicy``: sharded parameters, gradients and the AdamW step stay on
+                the CPU, and each unit is copied to the device when gathered (see offload.SlideFSDPStrategy for
+                streaming that overlaps the CPU update with the backward).
             comm_hook: Gradient communication hook registered on every FSDP module.
             compression: Gradient compression, e.g. ``{method: int8, num_bits: 8, error_feedback: false}``; see
                 ``python -m lit_fsdp compressors``. Method ``none`` registers no hook at all.
@@ -194,18 +206,18 @@ class FSDP2Strategy(CausalLMStrategy):
             process_group_backend: ``gloo`` or ``nccl``; default from the device.
             timeout: Collective timeout.
         """
-        super().__init__(param_dtype, activation_checkpointing, save_distributed_checkpoint, process_group_backend, timeout)
+        super().__init__(block_class, param_dtype, reduce_dtype, activation_checkpointing, save_distributed_checkpoint,
+                         process_group_backend, timeout)
         if blocks_per_group < 1 or prefetch < 0:
             raise ValueError(f"blocks_per_group must be >= 1 and prefetch >= 0; got {blocks_per_group}, {prefetch}")
         if replicate_size is not None and (replicate_size < 1 or sharding != "HYBRID_SHARD"):
             raise ValueError(f"replicate_size={replicate_size} needs sharding=HYBRID_SHARD and a value >= 1")
         self.sharding = sharding
         self.replicate_size = replicate_size
-        self.block_class = block_class
         self.blocks_per_group = blocks_per_group
-        self.reduce_dtype = reduce_dtype
         self.compile_blocks = compile_blocks
         self.prefetch = prefetch
+        self.cpu_offload = cpu_offload
         if compression is not None and compression.method != "none":
             if comm_hook is not None:
                 raise ValueError("set either compression or comm_hook on the strategy, not both")
@@ -247,6 +259,8 @@ class FSDP2Strategy(CausalLMStrategy):
             checkpoint_every=self.activation_checkpointing,
             compile_blocks=self.compile_blocks,
             prefetch=self.prefetch,
+            cpu_offload=self.cpu_offload,
+            pin_memory=self.root_device.type == "cuda",
         )
 
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -259,15 +273,26 @@ class FSDP2Strategy(CausalLMStrategy):
 
     def place(self, network: torch.nn.Module, module: pl.LightningModule) -> None:
         blocks, self.fsdp_modules = parallelize(network, self.sharding_plan())
-        materialize(network, self.root_device)
+        # With CPU offload FSDP2 wants the sharded parameters on the CPU; buffers are used on the device.
+        materialize(network, torch.device("cpu") if self.cpu_offload else self.root_device, buffer_device=self.root_device)
         module.initialize_weights(blocks)
         if self.comm_hook is not None:
             for fsdp_module in self.fsdp_modules:
                 self.comm_hook.register(fsdp_module, self.device_mesh)
 
+    def move_module(self, module: pl.LightningModule) -> None:
+        if not self.cpu_offload:
+            return super().move_module(module)
+        network = module._modules.pop("model")  # its sharded parameters stay on the CPU
+        try:
+            super().move_module(module)
+        finally:
+            module._modules["model"] = network
+
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        _optimizers_to_device(self.optimizers, self.root_device)
+        if not self.cpu_offload:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

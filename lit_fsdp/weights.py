@@ -48,13 +48,18 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate (uninitialised) storage for meta parameters on ``device``, keeping buffer values."""
-    buffers = {name: buf.detach().to(device, copy=True) for name, buf in model.named_buffers()}
+def materialize(model: nn.Module, device: torch.device, buffer_device: torch.device | None = None) -> None:
+    """Allocate (uninitialised) storage for meta parameters on ``device``; buffers keep their values, on ``buffer_device``."""
+    copies: dict[int, torch.Tensor] = {}  # by identity: a buffer shared by two modules stays shared
+    owners = []
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                copies.setdefault(id(buf), buf.detach().to(buffer_device or device, copy=True))
+                owners.append((module, name, id(buf)))
     model.to_empty(device=device)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            buf.copy_(buffers[name])
+    for module, name, key in owners:
+        module._buffers[name] = copies[key]
 
 
 def shard_rows(param: torch.Tensor) -> tuple[int, int]:

@@ -96,6 +96,7 @@ class ActivationStore:
         self.offload = offload
         self.pin = pin
         self.kept: dict[int, torch.Tensor] = {}
+        self.offloaded: dict[int, Any] = {}  # block -> the event of its device-to-host copy
         self.host: dict[int, torch.Tensor] = {}  # reusable pinned buffers, one per block
         self.fetched: dict[int, tuple[torch.Tensor, Any]] = {}  # block -> (device tensor, ready event)
 
@@ -107,7 +108,7 @@ class ActivationStore:
         if buffer is None or buffer.shape != hidden.shape or buffer.dtype != hidden.dtype:
             buffer = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=self.pin)
             self.host[block] = buffer
-        self.engine.transfers.d2h(buffer, hidden.detach())
+        self.offloaded[block] = self.engine.transfers.d2h(buffer, hidden.detach())
         self.kept[block] = buffer
 
     def prefetch(self, block: int) -> None:
@@ -115,10 +116,7 @@ class ActivationStore:
         if not self.offload or block not in self.kept or block in self.fetched:
             return
         transfers, source = self.engine.transfers, self.kept[block]
-        with transfers.on_h2d_stream(after=None):
-            if transfers.on_cuda:
-                # the D2H copy of this buffer (forward) must have finished before it is read back
-                transfers.h2d_stream.wait_stream(transfers.d2h_stream)
+        with transfers.on_h2d_stream(after=self.offloaded.pop(block)):  # after the forward's copy to the host
             target = torch.empty(source.shape, dtype=source.dtype, device=transfers.device)
             transfers.h2d(target, source)
             ready = transfers.record()
@@ -139,4 +137,5 @@ class ActivationStore:
     def clear(self) -> None:
         """Drop what a step left (an interrupted backward); the pinned buffers are kept for reuse."""
         self.kept.clear()
+        self.offloaded.clear()
         self.fetched.clear()

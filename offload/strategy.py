@@ -9,6 +9,9 @@ AdamW update runs while the device computes the backward of the blocks before it
 
 from __future__ import annotations
 
+import os
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -91,13 +94,13 @@ class SlideFSDPStrategy(CausalLMStrategy):
                 support it, else float32. Master weights and AdamW moments stay float32 on the host.
             reduce_dtype: Dtype the gradients are reduced and copied to the host in; ``auto`` follows ``param_dtype``.
             activation_checkpointing: Recompute the activations of every k-th block in backward; 0 turns it off.
-            cpu_threads: Threads of this rank's CPU work (the AdamW updates); default: Lightning's (cores / processes).
+            cpu_threads: Threads of this rank's CPU work (the AdamW updates); default: cores / processes per node.
             pin_memory: Pin the host buffers that cross PCIe (GPU only); if pinning fails it is turned off with a warning.
             block_class: Class name of the transformer block; default: the model's ``_no_split_modules``.
             process_group_backend: Default ``cpu:gloo,cuda:nccl`` on GPUs (host collectives use gloo), ``gloo`` on CPU.
             timeout: Collective timeout.
         """
-        super().__init__(param_dtype, activation_checkpointing, True, process_group_backend, timeout)
+        super().__init__(block_class, param_dtype, reduce_dtype, activation_checkpointing, True, process_group_backend, timeout)
         if window < 1:
             raise ValueError(f"SlideFSDP window={window}: at least 1 block must fit on the device; set window >= 1")
         if activation_offload == "cpu" and not activation_checkpointing:
@@ -105,15 +108,13 @@ class SlideFSDPStrategy(CausalLMStrategy):
                 "activation_offload: cpu offloads the inputs of checkpointed blocks; set activation_checkpointing >= 1"
             )
         if cpu_threads is not None and cpu_threads < 1:
-            raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for Lightning's default")
+            raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for cores / processes per node")
         self.window = window
         self.param_transfer = param_transfer
         self.grad_sync = grad_sync
         self.activation_offload = activation_offload
-        self.reduce_dtype = reduce_dtype
         self.cpu_threads = cpu_threads
         self.pin_memory = pin_memory
-        self.block_class = block_class
         self.engine: SlideEngine | None = None
         self.host: HostState | None = None
         self.adam: CpuAdam | None = None
@@ -170,11 +171,15 @@ class SlideFSDPStrategy(CausalLMStrategy):
         super().setup_environment()
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)
+        elif self.root_device.type == "cuda":  # Lightning limits threads on CPU runs only; the AdamW updates need it too
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
         shape = self.mesh_shape(self.world_size, self.num_nodes)
         if self.root_device.type == "cpu":
             self.cpu_mesh = self.device_mesh
-        else:
-            self.cpu_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        else:  # host tensors (checkpoint DTensors, norms, barriers) get gloo groups of their own
+            self.cpu_mesh = init_device_mesh(
+                "cpu", shape, mesh_dim_names=("replicate", "shard"), backend_override={"replicate": "gloo", "shard": "gloo"}
+            )
         # The worker thread's collectives (cpu_reduce) need a group no other thread uses, or orders could mix.
         self.host_group = dist.new_group(backend="gloo") if self.grad_sync == "cpu_reduce" else None
 
@@ -299,9 +304,15 @@ class SlideFSDPStrategy(CausalLMStrategy):
         self._staging_barrier()
         return result
 
-    def block_backward_sync(self):
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
         """Micro-batches that do not end an accumulation window add their gradients on the host, with no update."""
-        return _accumulating(self.engine)
+        assert self.engine is not None
+        self.engine.accumulating = True
+        try:
+            yield
+        finally:
+            self.engine.accumulating = False
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -335,18 +346,3 @@ class SlideFSDPStrategy(CausalLMStrategy):
             self.adam.close()
             self.adam = None
         super().teardown()
-
-
-class _accumulating:
-    """Context for Lightning's ``block_backward_sync``: the engine holds the updates of this backward."""
-
-    def __init__(self, engine: SlideEngine | None):
-        self.engine = engine
-
-    def __enter__(self) -> None:
-        if self.engine is not None:
-            self.engine.accumulating = True
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.engine is not None:
-            self.engine.accumulating = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,23 +23,48 @@ FAST = [
 ]
 
 
-def run_cli(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m lit_fsdp *args`` in ``cwd``; with ``check``, fail the test with its output on error."""
+def run_cli(*args: str, cwd: Path, check: bool = True, nodes: int = 1) -> subprocess.CompletedProcess:
+    """``python -m lit_fsdp *args`` in ``cwd``; with ``check``, fail the test with its output on error.
+
+    With ``nodes`` > 1, one process per node is started on this machine with Lightning's multi-node
+    variables (one device per node); the result is node 0's, with every node's return code checked.
+    """
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    result = subprocess.run(
-        [sys.executable, "-m", "lit_fsdp", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
+    command = [sys.executable, "-m", "lit_fsdp", *args]
+    if nodes == 1:
+        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    else:
+        port = str(_free_port())
+        processes = [
+            subprocess.Popen(
+                [*command, "--trainer.num_nodes", str(nodes), "--trainer.devices", "1"], cwd=cwd, text=True,
+                env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node), "LOCAL_RANK": "0"},
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )
+            for node in range(nodes)
+        ]
+        outputs = [process.communicate(timeout=600) for process in processes]
+        codes = [process.returncode for process in processes]
+        result = subprocess.CompletedProcess(command, max(codes, key=abs), *outputs[codes.index(max(codes, key=abs))])
     if check and result.returncode != 0:
         raise AssertionError(f"lit_fsdp {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def fit(
-    tmp: Path, *args: str, devices: int = 2, batch_size: int = 2, steps: int = 6, callbacks: list[dict] | None = None
+    tmp: Path, *args: str, devices: int = 2, batch_size: int = 2, steps: int = 6, callbacks: list[dict] | None = None,
+    nodes: int = 1,
 ) -> dict[str, list[float]]:
     """A short fit logged to ``tmp``; returns each logged metric as a list over steps.
 
-    ``callbacks`` (``{"class_path": ..., "init_args": ...}`` dicts) replace the config's callbacks.
+    ``callbacks`` (``{"class_path": ..., "init_args": ...}`` dicts) replace the config's callbacks. With
+    ``nodes`` > 1 there are that many "nodes" of one process each on this machine (``devices`` is ignored).
     """
     tmp.mkdir(parents=True, exist_ok=True)
     extra_config = tmp / f"callbacks{len(list(tmp.glob('callbacks*.yaml')))}.yaml"
@@ -53,6 +79,7 @@ def fit(
         *args,
         "--trainer.default_root_dir", str(tmp),  # last: the method configs name their own run folder
         cwd=tmp,
+        nodes=nodes,
     )
     return read_metrics(max(tmp.glob("lightning_logs/version_*/metrics.csv")))
 

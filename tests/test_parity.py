@@ -28,7 +28,9 @@ def assert_same_steps(got: dict, want: dict, keys=("train/loss", "train/grad_nor
         ("SHARD_GRAD_OP", []),
         ("NO_SHARD", []),
         ("HYBRID_SHARD", ["--trainer.strategy.init_args.replicate_size", "1"]),
+        ("FULL_SHARD", ["--trainer.strategy.init_args.cpu_offload", "true"]),  # torch's CPUOffloadPolicy
     ],
+    ids=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "FULL_SHARD-cpu_offload"],
 )
 def test_two_processes_match_one_process(tmp_path, reference, sharding, extra):
     got = fit(tmp_path, "--trainer.strategy.init_args.sharding", sharding, *extra, batch_size=GLOBAL_BATCH // 2, steps=STEPS)

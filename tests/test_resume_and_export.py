@@ -50,14 +50,18 @@ def test_resume_at_step_4_of_8_continues_exactly(tmp_path, sharded):
 
 
 def test_exported_folder_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path):
-    from transformers import AutoModelForCausalLM
-
     ckpts = tmp_path / "ckpt"
     logits_file = tmp_path / "logits.pt"
     fit(tmp_path, steps=3, callbacks=[checkpoint_every(3, ckpts),
                                       {"class_path": "tests.probes.SaveLogits", "init_args": {"path": str(logits_file)}}])
-    run_cli("export", str(ckpts / "last.ckpt"), str(tmp_path / "hf"), cwd=tmp_path)
+    assert_export_gives_logits(ckpts / "last.ckpt", logits_file, tmp_path)
 
+
+def assert_export_gives_logits(checkpoint, logits_file, tmp_path) -> None:
+    """``lit_fsdp export`` of ``checkpoint`` loads with ``from_pretrained`` and gives the logits a SaveLogits probe saved."""
+    from transformers import AutoModelForCausalLM
+
+    run_cli("export", str(checkpoint), str(tmp_path / "hf"), cwd=tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     saved = torch.load(logits_file)
     with torch.no_grad():
