@@ -101,7 +101,7 @@ def test_a_terminal_gets_a_bar_instead_of_lines(corpus, tmp_path, clock):
     clock.now += 1
     shown.update(documents=6, bytes_read=corpus.stat().st_size // 2, tokens=1000)
     drawn = terminal.getvalue()
-    assert "\r" in drawn and "%|" in drawn and "6 documents, 1,000 tokens" in drawn
+    assert "\r" in drawn and "Tokenizing wiki.json: 6 documents, 1,000 tokens" in drawn and "|" in drawn
     assert "\n" not in drawn.rstrip("\n")  # redrawn in place, not one line per update
     shown.close()
     assert terminal.getvalue().splitlines()[-1].startswith("Tokenizing wiki.json: done, 6 documents")

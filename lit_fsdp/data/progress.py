@@ -69,7 +69,7 @@ class CorpusProgress:
         if terminal:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=1000, desc=action, file=self.stream, bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}")
+            self._bar = tqdm(total=1000, desc=action, file=self.stream, bar_format="{desc} |{bar}|")
 
     def fraction(self) -> float:
         """Share of the pass done, in [0, 1]."""
@@ -100,7 +100,7 @@ class CorpusProgress:
         self._shown = time.monotonic()
         if self._bar is not None:
             self._bar.n = round(self.fraction() * 1000)
-            self._bar.set_postfix_str(self.status(), refresh=False)
+            self._bar.set_description_str(f"{self.action}: {self.status()}", refresh=False)
             self._bar.refresh()
         else:
             print(f"{self.action}: {self.status()}", file=self.stream, flush=True)
