@@ -36,6 +36,11 @@ def compute_dtype(trainer: pl.Trainer) -> torch.dtype:
     return torch.float16 if precision.startswith("16") else torch.float32
 
 
+#: The progress bar's tokens/s (also logged every ``log_every_n_steps``): the mean over the last steps, warm-up included.
+RUNNING_KEY = "perf/tokens_per_s_running"
+RUNNING_STEPS = 10
+
+
 class Throughput(pl.Callback):
     """Times each optimizer step (device-synchronised) and reports tokens/s, samples/s, step-time statistics and MFU.
 
@@ -47,8 +52,9 @@ class Throughput(pl.Callback):
     peak of the GPU at the strategy's ``param_dtype`` (``callbacks.device_peaks``) or ``peak_tflops``.
     Without a known peak (CPU, an unlisted GPU) MFU is null and rank 0 warns once.
 
-    The figures are logged as ``perf/*`` at the end of fit and written by rank 0 to
-    ``<default_root_dir>/throughput.json``.
+    While training, the tokens/s of the last ``RUNNING_STEPS`` steps show in the progress bar as
+    ``perf/tokens_per_s_running``. The run's figures are logged as ``perf/*`` at the end of fit and
+    written by rank 0 to ``<default_root_dir>/throughput.json``.
     """
 
     def __init__(self, warmup_steps: int = 5, peak_tflops: float | None = None):
@@ -122,6 +128,8 @@ class Throughput(pl.Callback):
         now = time.perf_counter()
         self.step_seconds.append(now - self._start)
         self._start, self._new_step = now, True
+        recent = self.step_seconds[-RUNNING_STEPS:]
+        pl_module.log(RUNNING_KEY, self.tokens_per_step * len(recent) / sum(recent), prog_bar=True)
 
     def summary(self) -> dict[str, Any]:
         """Statistics over the steps after warm-up (all steps if there are no more than the warm-up)."""

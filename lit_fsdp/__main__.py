@@ -1,9 +1,16 @@
-"""Entry point: ``python -m lit_fsdp`` (or ``lit-fsdp``) with fit/validate/test/predict, ``export`` or ``compressors``."""
+"""Entry point: ``python -m lit_fsdp`` (or ``lit-fsdp``) with fit/validate/test/predict, export, generate, evaluate or compressors."""
 
 from __future__ import annotations
 
 import os
 import sys
+
+#: Commands that run in this one process, each a function whose signature is its command line.
+SINGLE_PROCESS_COMMANDS = {
+    "export": "lit_fsdp.export:export_hf",
+    "generate": "lit_fsdp.generate:generate",
+    "evaluate": "lit_fsdp.evaluate:evaluate",
+}
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -37,12 +44,13 @@ def main(argv: list[str] | None = None) -> None:
             from compress.config import describe_methods
 
             print(describe_methods())
-        elif args[:1] == ["export"]:
+        elif args[:1] and args[0] in SINGLE_PROCESS_COMMANDS:
+            from importlib import import_module
+
             from jsonargparse import auto_cli
 
-            from lit_fsdp.export import export_hf
-
-            auto_cli(export_hf, args=args[1:])
+            module, function = SINGLE_PROCESS_COMMANDS[args[0]].split(":")
+            auto_cli(getattr(import_module(module), function), args=args[1:], prog=f"lit_fsdp {args[0]}")
         else:
             from lit_fsdp.cli import run
 

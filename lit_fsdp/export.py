@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 _MODEL_PREFIX = "model."  # CausalLM keeps the network in `self.model`
 
 
 def read_metadata(checkpoint: Path) -> dict[str, Any]:
-    """Everything but the weights: loop state, hyperparameters, ``hf_config``, ``tokenizer_path``."""
-    meta = torch.load(checkpoint / _METADATA_FILENAME if checkpoint.is_dir() else checkpoint, map_location="cpu", weights_only=False)
+    """Everything but the weights: loop state, hyperparameters, ``hf_config``, ``tokenizer_path``, ``seq_len``."""
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist; give a .ckpt file or folder written by fit")
+    file = checkpoint / _METADATA_FILENAME if checkpoint.is_dir() else checkpoint
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{checkpoint} is not a checkpoint: it holds no {_METADATA_FILENAME}; give a .ckpt file or folder written by fit"
+        )
+    try:
+        # Memory-mapped: a full-file checkpoint's weights are not read just to get at its metadata.
+        meta = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as error:
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise ValueError(f"{file} is not a checkpoint written by fit: torch.load failed ({reason})") from None
+    if not isinstance(meta, dict) or "hf_config" not in meta:
+        raise ValueError(f"{checkpoint} holds no hf_config: it was not written by lit_fsdp's CausalLM")
     meta.pop("state_dict", None)
     meta.pop("optimizer_states", None)
     return meta
@@ -27,10 +43,19 @@ def load_weights(checkpoint: Path, model: torch.nn.Module) -> None:
 
         # Only the model's keys are requested, so the optimizer shards are never read.
         state = {"state_dict": {_MODEL_PREFIX + k: v for k, v in model.state_dict().items()}}
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+        with warnings.catch_warnings():  # loading in one process is the intent here, not a fallback
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
         return
     saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     model.load_state_dict({k[len(_MODEL_PREFIX) :]: v for k, v in saved.items() if k.startswith(_MODEL_PREFIX)})
+
+
+def model_from_checkpoint(checkpoint: Path, meta: dict[str, Any]) -> PreTrainedModel:
+    """The whole network of a checkpoint on CPU (a sharded folder is consolidated), given its ``read_metadata``."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**meta["hf_config"]))
+    load_weights(checkpoint, model)
+    return model
 
 
 def export_hf(checkpoint: str, output: str, tokenizer_path: str | None = None) -> Path:
@@ -42,13 +67,8 @@ def export_hf(checkpoint: str, output: str, tokenizer_path: str | None = None) -
         tokenizer_path: Tokenizer folder to copy along; default: the one the run trained with, if any.
     """
     source = Path(checkpoint)
-    if not source.exists():
-        raise FileNotFoundError(f"checkpoint {source} does not exist; pass a .ckpt file or folder written by fit")
     meta = read_metadata(source)
-    if "hf_config" not in meta:
-        raise ValueError(f"{source} holds no hf_config: it was not written by lit_fsdp's CausalLM")
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**meta["hf_config"]))
-    load_weights(source, model)
+    model = model_from_checkpoint(source, meta)
     out = Path(output)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer_path = tokenizer_path or meta.get("tokenizer_path")

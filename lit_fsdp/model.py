@@ -163,10 +163,14 @@ class CausalLM(pl.LightningModule):
     # --- checkpoints -----------------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Enough to rebuild the network without this code's defaults: used by `lit_fsdp export`.
+        # Enough to rebuild the network without this code's defaults, read its text and evaluate it as it was
+        # trained: used by `lit_fsdp export`, `generate` and `evaluate`.
         checkpoint["hf_config"] = self.model.config.to_dict()
-        tokenizer = getattr(getattr(self._trainer, "datamodule", None), "tokenizer", None)
-        checkpoint["tokenizer_path"] = getattr(tokenizer, "name_or_path", None)
+        datamodule = getattr(self._trainer, "datamodule", None)
+        tokenizer_path = getattr(getattr(datamodule, "tokenizer", None), "name_or_path", None)
+        # Absolute, so that the checkpoint finds its tokenizer from any working directory.
+        checkpoint["tokenizer_path"] = str(Path(tokenizer_path).absolute()) if tokenizer_path else None
+        checkpoint["seq_len"] = getattr(datamodule, "seq_len", None)
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:

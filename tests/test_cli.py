@@ -21,8 +21,12 @@ def print_config(capsys, *configs) -> dict:
     return yaml.safe_load(capsys.readouterr().out)
 
 
+def callback_classes(config: dict) -> list[str]:
+    return [callback["class_path"] for callback in config["trainer"]["callbacks"] or []]
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
-def test_config_parses_alone_and_after_quickstart(capsys, config):
+def test_config_parses_alone_and_after_quickstart_with_throughput_and_memory_on(capsys, config):
     alone = print_config(capsys, config)
     composed = print_config(capsys, QUICKSTART, config)
     mine = yaml.safe_load(config.read_text())
@@ -31,6 +35,14 @@ def test_config_parses_alone_and_after_quickstart(capsys, config):
         assert resolved["trainer"]["strategy"]["class_path"].split(".")[-1] == strategy
     for key, value in (mine.get("model") or {}).items():  # the later file wins
         assert composed["model"][key] == value
+    # A callbacks list replaces the earlier file's: a config with its own must list the measuring callbacks,
+    # and a data or model config without one keeps the quickstart's, checkpoints included.
+    own = "callbacks" in (mine.get("trainer") or {})
+    for resolved in [composed, alone] if own else [composed]:
+        classes = callback_classes(resolved)
+        assert {"callbacks.Throughput", "callbacks.Memory"} <= set(classes) and len(classes) == len(set(classes))
+    if not own:
+        assert "lightning.pytorch.callbacks.ModelCheckpoint" in callback_classes(composed)
 
 
 def test_quickstart_resolves_to_synthetic_data_on_two_cpu_processes(capsys):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
+from callbacks import throughput
 from callbacks.device_peaks import peak_tflops
 from callbacks.throughput import Throughput
 from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
@@ -130,6 +131,26 @@ def test_peak_tflops_must_be_positive():
         Throughput(peak_tflops=0)
 
 
+def test_running_tokens_per_s_goes_to_the_progress_bar_over_the_last_steps(monkeypatch):
+    callback = Throughput(warmup_steps=0)
+    clock = iter([0.0, 1.0, 3.0] + [3.0 + 0.5 * i for i in range(1, 13)])
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
+    logged = []
+    module = SimpleNamespace(device=torch.device("cpu"), log=lambda key, value, **kw: logged.append((key, value, kw)))
+    trainer = SimpleNamespace(world_size=2, fit_loop=SimpleNamespace(_should_accumulate=lambda: False))
+    callback._start = next(clock)
+    batch = {"input_ids": torch.zeros(4, 128, dtype=torch.long)}  # 4 x 128 tokens on each of 2 ranks a step
+    for index in range(14):
+        callback.on_train_batch_start(trainer, module, batch, index)
+        callback.on_train_batch_end(trainer, module, None, batch, index)
+    assert callback.step_seconds[:3] == [1.0, 2.0, 0.5]
+    assert [entry[0] for entry in logged] == [throughput.RUNNING_KEY] * 14
+    assert all(entry[2] == {"prog_bar": True} for entry in logged)
+    assert logged[1][1] == pytest.approx(1024 * 2 / 3.0)  # two steps in 3 s
+    assert logged[-1][1] == pytest.approx(1024 / 0.5)  # the last 10 steps, all 0.5 s: the slow start has left
+    assert callback.summary()["tokens_per_s"] == pytest.approx(1024 * 14 / sum(callback.step_seconds))
+
+
 def test_a_two_process_run_logs_mfu_and_samples_per_s(tmp_path):
     # A 2-core CPU is far below 1 TFLOPS per process, so the MFU against that peak lies in (0, 1).
     callback = {"class_path": "callbacks.Throughput", "init_args": {"warmup_steps": 2, "peak_tflops": 1.0}}
@@ -139,3 +160,4 @@ def test_a_two_process_run_logs_mfu_and_samples_per_s(tmp_path):
     # The quickstart's blocks are 128 tokens: 2 sequences x 2 processes a step.
     assert metrics["perf/tokens_per_s"][-1] == pytest.approx(128 * metrics["perf/samples_per_s"][-1])
     assert metrics["perf/flops_per_token"][-1] == 983_040
+    assert len(metrics[throughput.RUNNING_KEY]) == 6 and min(metrics[throughput.RUNNING_KEY]) > 0  # every step

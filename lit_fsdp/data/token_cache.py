@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import builtins
 import fcntl
+import hashlib
 import itertools
 import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,8 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 from transformers import PreTrainedTokenizerBase
 
-from lit_fsdp.data.tokenizer import encode_documents
+from lit_fsdp.data.progress import CorpusProgress
+from lit_fsdp.data.tokenizer import encode_documents, tokenizer_fingerprint
 
 #: Characters of documents tokenised and committed together: this bounds the memory the tokenizer's output
 #: takes (about 50 MB per million characters) and the work a killed build redoes.
@@ -67,21 +70,26 @@ def read_documents(path: Path, max_documents: int | None = None) -> Iterator[str
     The format is told by the first non-blank character. Nothing but the current record is held in
     memory, so multi-GB dumps are fine.
     """
+    return (text for text, _ in read_documents_with_offsets(path, max_documents))
+
+
+def read_documents_with_offsets(path: Path, max_documents: int | None = None) -> Iterator[tuple[str, int]]:
+    """``read_documents`` paired with how many bytes of the file have been read so far (for progress)."""
     records = _array_records(path) if _first_char(path) == "[" else _line_records(path)
-    for where, record in itertools.islice(records, max_documents):
+    for where, record, offset in itertools.islice(records, max_documents):
         text = record.get("text") if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise ValueError(f"{path}: {where} has no string 'text' field; every article needs one")
         title = record.get("title")
-        yield f"{title}\n{text}" if title else text
+        yield (f"{title}\n{text}" if title else text), offset
 
 
-def _array_records(path: Path) -> Iterator[tuple[str, Any]]:
+def _array_records(path: Path) -> Iterator[tuple[str, Any, int]]:
     with open(path, "rb") as file:
         index = 0  # of the record being parsed; after the last one, an error is trailing garbage
         try:
             for record in ijson.items(file, "item"):
-                yield f"record {index}", record
+                yield f"record {index}", record, file.tell()
                 index += 1
         except ijson.JSONError as error:
             # ijson reads in 64 KiB buffers, so the byte offset is where the parser stopped, not the exact byte.
@@ -90,7 +98,7 @@ def _array_records(path: Path) -> Iterator[tuple[str, Any]]:
             ) from None
 
 
-def _line_records(path: Path) -> Iterator[tuple[str, Any]]:
+def _line_records(path: Path) -> Iterator[tuple[str, Any, int]]:
     with open(path, "rb") as file:
         for number, line in enumerate(file, start=1):
             if not line.strip():
@@ -102,7 +110,7 @@ def _line_records(path: Path) -> Iterator[tuple[str, Any]]:
                 raise ValueError(
                     f"{path}: malformed JSON on line {number} ({reason}); JSON Lines needs one object per line"
                 ) from None
-            yield f"line {number}", record
+            yield f"line {number}", record, file.tell()
 
 
 def _first_line(error: Exception) -> str:
@@ -127,22 +135,25 @@ def build_token_cache(
 ) -> dict[str, Any]:
     """Tokenise the first ``max_documents`` documents of ``source`` into ``directory``, resuming a killed build.
 
-    Returns the cache's description for ``meta.json``; finalizing is ``wait_or_build``'s job.
+    Rank 0 shows its progress (``CorpusProgress``). Returns the cache's description for ``meta.json``;
+    finalizing is ``wait_or_build``'s job.
     """
     directory.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(np.uint16 if len(tokenizer) <= 2**16 else np.uint32)
     progress = _read_json(directory / _PROGRESS) or {"documents": 0, "tokens": 0}
     done, committed = progress["documents"], progress["tokens"]
-    documents = itertools.islice(read_documents(source, max_documents), done, None)
-    started = last_report = time.monotonic()
+    documents = itertools.islice(read_documents_with_offsets(source, max_documents), done, None)
     rank_zero_info(f"Tokenizing {source} into {directory}" + (f", resuming after {done} documents" if done else ""))
 
     (directory / _TOKENS).touch()
-    with open(directory / _TOKENS, "r+b") as file:
+    with (
+        open(directory / _TOKENS, "r+b") as file,
+        CorpusProgress(f"Tokenizing {source.name}", source, max_documents, documents=done, tokens=committed) as shown,
+    ):
         # Bytes past the last commit belong to a chunk whose documents will be tokenised again.
         file.truncate(committed * dtype.itemsize)
         file.seek(0, os.SEEK_END)
-        for chunk in _chunks(documents, CHARACTERS_PER_CHUNK):
+        for chunk, bytes_read in _chunks(documents, CHARACTERS_PER_CHUNK):
             ids = encode_documents(tokenizer, chunk)
             # The eos id goes before every document but the first, so a chunk's tokens depend only on
             # its own documents and their position in the corpus.
@@ -153,27 +164,26 @@ def build_token_cache(
             os.fsync(file.fileno())
             done, committed = done + len(chunk), committed + len(tokens)
             _write_json(directory / _PROGRESS, {"documents": done, "tokens": committed})
-            if time.monotonic() - last_report > 60:
-                last_report = time.monotonic()
-                rank_zero_info(f"Tokenized {done:,} documents, {committed:,} tokens")
-
-    if committed == 0:
-        raise ValueError(f"{source}: the corpus is empty ({done} documents, no tokens); give a file with article text")
-    rank_zero_info(f"Tokenized {done:,} documents, {committed:,} tokens in {time.monotonic() - started:.1f} s")
+            shown.update(done, bytes_read, committed)
+        if committed == 0:
+            raise ValueError(f"{source}: the corpus is empty ({done} documents, no tokens); give a file with article text")
     return {"source": source_identity(source), "documents": done, "tokens": committed, "dtype": dtype.name}
 
 
-def _chunks(texts: Iterable[str], characters: int) -> Iterator[list[str]]:
-    """Consecutive texts grouped until each group holds at least ``characters`` characters (the last may hold fewer)."""
-    chunk, size = [], 0
-    for text in texts:
+def _chunks(documents: Iterable[tuple[str, int]], characters: int) -> Iterator[tuple[list[str], int]]:
+    """Consecutive texts grouped until each group holds at least ``characters`` characters (the last may hold fewer).
+
+    ``documents`` are ``(text, bytes read)`` pairs; each group comes with the bytes read after its last text.
+    """
+    chunk, size, bytes_read = [], 0, 0
+    for text, bytes_read in documents:
         chunk.append(text)
         size += len(text)
         if size >= characters:
-            yield chunk
+            yield chunk, bytes_read
             chunk, size = [], 0
     if chunk:
-        yield chunk
+        yield chunk, bytes_read
 
 
 def wait_or_build(
@@ -279,3 +289,30 @@ def open_tokens(directory: Path) -> MappedTokens:
     if path.stat().st_size != meta["tokens"] * dtype.itemsize:
         raise ValueError(f"{path} does not hold the {meta['tokens']} tokens its meta.json records; delete {directory}")
     return MappedTokens(path, dtype.name, meta["tokens"])
+
+
+# ---------------------------------------------------------------------------------------------------- a file's cache
+
+
+def cache_dir_or_default(cache_dir: str | Path | None) -> Path:
+    """``cache_dir``, else ``$LIT_FSDP_CACHE``, else ``~/.cache/lit_fsdp/tokens``."""
+    return Path(cache_dir or os.environ.get("LIT_FSDP_CACHE") or "~/.cache/lit_fsdp/tokens").expanduser()
+
+
+def cache_key(**parts: Any) -> str:
+    """A short stable hash of what a cached artifact was built from."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cached_tokens(
+    source: Path, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, max_documents: int | None = None, local_rank: int = 0
+) -> MappedTokens:
+    """The token stream of ``source``, built once into ``cache_dir`` (keyed by the file, tokenizer and ``max_documents``).
+
+    The stream does not depend on the sequence length, so ``fit`` and ``evaluate`` with any ``seq_len`` share it.
+    """
+    key = cache_key(source=source_identity(source), tokenizer=tokenizer_fingerprint(tokenizer), max_documents=max_documents)
+    directory = cache_dir / f"tokens-{source.stem}-{key}"
+    build = partial(build_token_cache, source=source, tokenizer=tokenizer, max_documents=max_documents)
+    wait_or_build(directory, build, local_rank)
+    return open_tokens(directory)

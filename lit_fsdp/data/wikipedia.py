@@ -6,9 +6,6 @@ file's token stream are built once into ``cache_dir`` and reused by every later 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -17,16 +14,18 @@ from lightning.pytorch.utilities import rank_zero_info
 from transformers import PreTrainedTokenizerBase
 
 from lit_fsdp.data.blocks import BlockDataModule, TokenBlocks, blocks_per_split
+from lit_fsdp.data.progress import CorpusProgress
 from lit_fsdp.data.token_cache import (
     MappedTokens,
-    build_token_cache,
+    cache_dir_or_default,
+    cache_key,
+    cached_tokens,
     check_corpus_file,
-    open_tokens,
-    read_documents,
+    read_documents_with_offsets,
     source_identity,
     wait_or_build,
 )
-from lit_fsdp.data.tokenizer import load_tokenizer, tokenizer_fingerprint, train_bpe
+from lit_fsdp.data.tokenizer import load_tokenizer, train_bpe
 
 
 class WikipediaDataModule(BlockDataModule):
@@ -81,7 +80,7 @@ class WikipediaDataModule(BlockDataModule):
         self.vocab_size = vocab_size
         self.val_fraction = val_fraction
         self.max_documents = max_documents
-        self.cache_dir = Path(cache_dir or os.environ.get("LIT_FSDP_CACHE") or "~/.cache/lit_fsdp/tokens").expanduser()
+        self.cache_dir = cache_dir_or_default(cache_dir)
         self._tokenizer: PreTrainedTokenizerBase | None = None
 
     @property
@@ -98,10 +97,14 @@ class WikipediaDataModule(BlockDataModule):
         local_rank = 0 if self.trainer is None else self.trainer.local_rank
         self._tokenizer = self._setup_tokenizer(local_rank)
         self.vocab_size = len(self._tokenizer)
-        train_tokens = self._setup_tokens(self.train_path, local_rank)
+        tokens_of = partial(
+            cached_tokens, tokenizer=self._tokenizer, cache_dir=self.cache_dir, max_documents=self.max_documents,
+            local_rank=local_rank,
+        )
+        train_tokens = tokens_of(self.train_path)
         if self.val_path is not None:
             self.train_set = _blocks(self.train_path, train_tokens, self.seq_len)
-            self.val_set = _blocks(self.val_path, self._setup_tokens(self.val_path, local_rank), self.seq_len)
+            self.val_set = _blocks(self.val_path, tokens_of(self.val_path), self.seq_len)
             return
         total = (len(train_tokens) - 1) // self.seq_len
         if total < 2:
@@ -116,7 +119,7 @@ class WikipediaDataModule(BlockDataModule):
     def _setup_tokenizer(self, local_rank: int) -> PreTrainedTokenizerBase:
         if self.tokenizer_path is not None:
             return load_tokenizer(self.tokenizer_path)
-        key = _key(
+        key = cache_key(
             source=source_identity(self.train_path), vocab_size=self.bpe_vocab_size, max_documents=self.max_documents
         )
         directory = self.cache_dir / f"tokenizer-{self.train_path.stem}-{key}"
@@ -125,21 +128,11 @@ class WikipediaDataModule(BlockDataModule):
 
     def _train_tokenizer(self, directory: Path) -> dict[str, Any]:
         rank_zero_info(f"Training a byte-level BPE of {self.bpe_vocab_size} tokens on {self.train_path}")
-        tokenizer = train_bpe(read_documents(self.train_path, self.max_documents), self.bpe_vocab_size)
+        documents = read_documents_with_offsets(self.train_path, self.max_documents)
+        with CorpusProgress(f"Training the BPE on {self.train_path.name}", self.train_path, self.max_documents) as shown:
+            tokenizer = train_bpe(shown.track(documents), self.bpe_vocab_size)
         tokenizer.save_pretrained(directory)
         return {"source": source_identity(self.train_path), "vocab_size": len(tokenizer)}
-
-    def _setup_tokens(self, source: Path, local_rank: int) -> MappedTokens:
-        key = _key(
-            source=source_identity(source),
-            tokenizer=tokenizer_fingerprint(self._tokenizer),
-            seq_len=self.seq_len,
-            max_documents=self.max_documents,
-        )
-        directory = self.cache_dir / f"tokens-{source.stem}-{key}"
-        build = partial(build_token_cache, source=source, tokenizer=self._tokenizer, max_documents=self.max_documents)
-        wait_or_build(directory, build, local_rank)
-        return open_tokens(directory)
 
 
 def _blocks(source: Path, tokens: MappedTokens, seq_len: int, first: int = 0, count: int | None = None) -> TokenBlocks:
@@ -147,8 +140,3 @@ def _blocks(source: Path, tokens: MappedTokens, seq_len: int, first: int = 0, co
         return TokenBlocks(tokens, seq_len, first, count)
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
-
-
-def _key(**parts: Any) -> str:
-    """A short stable hash of what a cached artifact was built from."""
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
