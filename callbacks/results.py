@@ -9,9 +9,11 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
 import torch
 
 from callbacks.run_folder import append_jsonl, compression_method, logged, run_name, write_json
+from lit_fsdp.errors import error_line
 from lit_fsdp.wandb_logger import publish_summary
 
 _PACKAGES = ("torch", "lightning", "transformers", "torchmetrics", "jsonargparse", "wandb")
@@ -33,6 +35,11 @@ def environment(trainer: pl.Trainer) -> dict[str, Any]:
     }
 
 
+def finite_or_null(record: dict[str, Any]) -> dict[str, Any]:
+    """NaN and infinities become null: JSON has no such numbers."""
+    return {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in record.items()}
+
+
 class Results(pl.Callback):
     """Appends the run's record to ``results.jsonl`` (rank 0) and writes ``environment.json``.
 
@@ -51,11 +58,12 @@ class Results(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         write_json(trainer, "environment.json", environment(trainer))
 
-    def record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    def identity(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """Who the run is and where it got to: what a failed run's record holds too."""
         compression = getattr(trainer.strategy, "compression", None)
         method = compression_method(trainer)
         datamodule = trainer.datamodule
-        record: dict[str, Any] = {
+        return {
             "run_name": run_name(trainer),
             "world_size": trainer.world_size,
             "model": pl_module.hparams.get("pretrained_path") or pl_module.hparams.get("preset"),
@@ -69,6 +77,14 @@ class Results(pl.Callback):
             "train_loss": logged(trainer, "train/loss"),
             "val_loss": logged(trainer, "val/loss"),
             "val_ppl": logged(trainer, "val/ppl"),
+        }
+
+    def record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        method = compression_method(trainer)
+        record: dict[str, Any] = {
+            **self.identity(trainer, pl_module),
+            "status": "ok",
+            "error": None,
             "comm_time_ms_total": None, "comm_ratio": None, "comm_time_ms_by_op": None,
             "bytes_raw_total": None, "bytes_compressed_total": None,
             # FSDP2's own reduce-scatter sends float32 gradients: the uncompressed reference.
@@ -77,10 +93,22 @@ class Results(pl.Callback):
         for callback in trainer.callbacks:
             if callback is not self and callable(getattr(callback, "summary", None)):
                 record.update(callback.summary())
-        return {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in record.items()}
+        return finite_or_null(record)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Computed on every rank (callbacks may gather across ranks in summary()); written by rank 0.
         record = self.record(trainer, pl_module)
+        append_jsonl(trainer, "results.jsonl", record)
+        publish_summary(trainer, record)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A run that fails still leaves its line (``status: failed`` and the reason), so sweeps and comparisons show it.
+
+        Only what this rank knows is recorded: the other callbacks' summaries may need collectives,
+        and a failed run's peers may be gone.
+        """
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        record = finite_or_null({**self.identity(trainer, pl_module), "status": "failed", "error": error_line(exception)})
         append_jsonl(trainer, "results.jsonl", record)
         publish_summary(trainer, record)

@@ -5,36 +5,16 @@ from __future__ import annotations
 import os
 import sys
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lit_fsdp.errors import RunError, error_line
+
 #: Commands that run in this one process, each a function whose signature is its command line.
 SINGLE_PROCESS_COMMANDS = {
     "export": "lit_fsdp.export:export_hf",
     "generate": "lit_fsdp.generate:generate",
     "evaluate": "lit_fsdp.evaluate:evaluate",
 }
-
-
-def root_cause(error: BaseException) -> BaseException:
-    """The first error raised: jsonargparse wraps errors from constructors in its own."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    return error
-
-
-def error_line(error: BaseException) -> str:
-    """The one line that says what was wrong.
-
-    A constructor's error (``SlideFSDPStrategy(window=0)``) can reach us only as one entry of
-    jsonargparse's list of failed Union alternatives ("Errors: - Expected a <class 'str'> - ..."):
-    the entry that is not a type mismatch is the one to show.
-    """
-    text = str(error)
-    if "\nErrors:\n" in text:
-        entries = [line.strip()[2:] for line in text.split("\nErrors:\n", 1)[1].splitlines() if line.strip().startswith("- ")]
-        specific = [entry for entry in entries if not entry.startswith("Expected a ")]
-        if specific:
-            return specific[0]
-    lines = str(root_cause(error)).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,7 +38,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as error:
         if os.environ.get("LIT_FSDP_TRACEBACK"):
             raise
-        print(f"lit_fsdp: error: {error_line(error)} (LIT_FSDP_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        # Every rank raises an error the ranks agreed on (a non-finite step, a checkpoint that could not be
+        # written): one of them says it.
+        if not isinstance(error, RunError) or rank_zero_only.rank == 0:
+            print(f"lit_fsdp: error: {error_line(error)} (LIT_FSDP_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         sys.exit(2)
 
 

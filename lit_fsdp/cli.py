@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 from callbacks.run_folder import compression_method, run_name
-from lit_fsdp.data.blocks import BlockDataModule
-from lit_fsdp.model import CausalLM
 import offload  # noqa: F401  (registers the slide_fsdp strategy name)
+from lit_fsdp import checkpoints
+from lit_fsdp.data.blocks import BlockDataModule, check_same_global_batch
+from lit_fsdp.errors import PeerLostError, lost_peer
+from lit_fsdp.model import CausalLM
 from lit_fsdp.strategy import CausalLMStrategy
 from lit_fsdp.wandb_logger import SaveConfig, WandbLogger
 
@@ -52,13 +56,43 @@ class LitFsdpCLI(LightningCLI):
         for callback in self.trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = os.path.realpath(os.path.join(self.trainer.default_root_dir, "checkpoints"))
+        checkpoints.check_writable(Path(self.trainer.default_root_dir), "--trainer.default_root_dir")
+        for callback in self.trainer.checkpoint_callbacks:
+            checkpoints.check_writable(Path(callback.dirpath), "the ModelCheckpoint's dirpath")
+        self._resolve_checkpoint()
         # W&B's name is the results.jsonl record's; a tag per method makes runs easy to filter.
         for logger in self.trainer.loggers:
             if isinstance(logger, WandbLogger):
                 tags = [compression_method(self.trainer)]
                 logger.use_run(self.trainer.default_root_dir, run_name(self.trainer), tags=tags)
 
+    def _resolve_checkpoint(self) -> None:
+        """``--ckpt_path last``: the newest complete checkpoint; a named one must be complete and of the same global batch."""
+        arguments = self.config_init[self.subcommand]
+        folders = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+        folder = folders[0] if folders else Path(self.trainer.default_root_dir) / "checkpoints"
+        path, manifest, notes = checkpoints.resolve(arguments.get("ckpt_path"), folder)
+        for line in notes:
+            rank_zero_info(line)
+        arguments["ckpt_path"] = path
+        if manifest is not None and self.subcommand == "fit":
+            trainer = self.trainer
+            world = trainer.num_nodes * trainer.num_devices
+            check_same_global_batch(manifest, self.datamodule.batch_size, world, trainer.accumulate_grad_batches,
+                                    f"the checkpoint {path}")
+
     before_fit = before_validate = before_test = before_predict = _preflight
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except Exception as error:
+            strategy = self.trainer.strategy
+            launched = getattr(getattr(strategy, "launcher", None), "procs", None) or []
+            line = lost_peer(error, launched, strategy.global_rank, strategy.world_size)
+            if line is None:
+                raise
+            raise PeerLostError(line) from error
 
 
 def run(args: list[str] | None = None) -> LitFsdpCLI:

@@ -9,7 +9,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -148,17 +147,15 @@ class CausalLM(pl.LightningModule):
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
     ) -> None:
-        if not gradient_clip_val:
-            return
         if gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(f"--trainer.gradient_clip_algorithm {gradient_clip_algorithm} is not supported; use norm")
-        # A strategy that keeps gradients off the network (SlideFSDP: on the host) computes their norm itself.
-        strategy_clip = getattr(self.trainer.strategy, "clip_grad_norm_", None)
-        if strategy_clip is not None:
-            norm = strategy_clip(gradient_clip_val)
-        else:
-            norm = clip_grad_norm_(self.model.parameters(), gradient_clip_val)
-        self.log("train/grad_norm", norm, sync_dist=False)
+        # The strategy knows where the gradients are (sharded on the devices, or on the host with SlideFSDP):
+        # it computes their global norm, clips, and stops or skips a non-finite step.
+        strategy = self.trainer.strategy
+        norm = strategy.clip_and_guard(optimizer, gradient_clip_val)
+        if norm is not None:
+            self.log("train/grad_norm", norm, sync_dist=False)
+        self.log("train/nonfinite_steps", float(strategy.nonfinite_steps), sync_dist=False)
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -179,13 +176,3 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
-    """Clip by the global gradient norm; with FSDP2 the norm of sharded gradients is reduced across ranks."""
-    params = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total

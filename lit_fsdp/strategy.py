@@ -8,10 +8,12 @@ full file. ``offload.SlideFSDPStrategy`` is the other strategy built on ``Causal
 
 from __future__ import annotations
 
+import uuid
 from abc import abstractmethod
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -21,16 +23,26 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from compress.config import CompressionConfig
 from compress.hook import GradientCompression
+from lit_fsdp import checkpoints
+from lit_fsdp.errors import RunError
 from lit_fsdp.parallelize import ShardingPlan, parallelize
 from lit_fsdp.weights import materialize
 
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+OnNonFinite = Literal["stop", "skip_step", "warn"]
+
+
+class NonFiniteError(RunError):
+    """A non-finite loss or gradient stopped the run (``on_nonfinite: stop``)."""
 
 
 @runtime_checkable
@@ -49,7 +61,12 @@ class CausalLMStrategy(ModelParallelStrategy):
     """The life cycle of a lit_fsdp strategy: process group and mesh, checks, placing the network, optimizers.
 
     A subclass says what its mesh is (``mesh_shape``), how it places ``LightningModule.model`` on the
-    devices (``place``) and whether that already happened (``is_placed``).
+    devices (``place``) and whether that already happened (``is_placed``), and where its gradients are
+    (``clip_gradients``, ``drop_gradients``).
+
+    Every checkpoint is written aside and renamed into place with a manifest (``lit_fsdp.checkpoints``),
+    and every optimizer step is guarded: a non-finite loss or gradient stops the run, skips the step on
+    every rank, or is only reported (``on_nonfinite``).
     """
 
     strategy_name = ""
@@ -60,6 +77,7 @@ class CausalLMStrategy(ModelParallelStrategy):
         param_dtype: DType,
         reduce_dtype: DType,
         activation_checkpointing: int,
+        on_nonfinite: OnNonFinite,
         save_distributed_checkpoint: bool,
         process_group_backend: str | None,
         timeout: timedelta | None,
@@ -77,6 +95,9 @@ class CausalLMStrategy(ModelParallelStrategy):
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.activation_checkpointing = activation_checkpointing
+        self.on_nonfinite = on_nonfinite
+        self.nonfinite_steps = 0  # optimizer steps with a non-finite loss or gradient, this run
+        self._loss_finite: torch.Tensor | None = None
 
     # --- before any worker starts ------------------------------------------------------------------
 
@@ -151,6 +172,96 @@ class CausalLMStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
+    # --- the optimizer step's guard ----------------------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if isinstance(loss, torch.Tensor):  # kept on the device: read once per optimizer step, in the guard
+            finite = torch.isfinite(loss.detach()).all()
+            self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        return output
+
+    @abstractmethod
+    def clip_gradients(self, max_norm: float | None) -> torch.Tensor | None:
+        """The global norm of this step's gradients (None where it is not computed), clipped to ``max_norm`` if set."""
+
+    @abstractmethod
+    def drop_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget this step's gradients on every rank, so that the optimizer step changes nothing."""
+
+    def nonfinite_values(self) -> int:
+        """Gradient values found non-finite on the way since the last step (compression, host updates)."""
+        return 0
+
+    def clip_and_guard(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
+        """Clip, then stop, skip or report the step if its loss or gradients are not finite (``on_nonfinite``).
+
+        Every rank takes the same decision (one all-reduce of a flag), so a skipped step is skipped everywhere.
+        Returns the gradient norm before clipping (None where the strategy does not compute it).
+        """
+        norm = self.clip_gradients(max_norm)
+        bad = self.nonfinite_values() > 0
+        if self._loss_finite is not None:
+            bad |= not bool(self._loss_finite)
+        if norm is not None:
+            bad |= not bool(torch.isfinite(norm))
+        self._loss_finite = None
+        if not self.reduce_boolean_decision(bad, all=False):
+            return norm
+        self.nonfinite_steps += 1
+        step = self.lightning_module.trainer.global_step + 1
+        what = f"a non-finite loss or gradient at optimizer step {step} (gradient norm {'not computed' if norm is None else float(norm)})"
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"{what}; no update and no checkpoint were made from it: lower --model.learning_rate, or set "
+                "--trainer.strategy.init_args.on_nonfinite skip_step to skip such steps"
+            )
+        if self.on_nonfinite == "skip_step":
+            self.drop_gradients(optimizer)
+            rank_zero_warn(f"{what}: step skipped on every rank ({self.nonfinite_steps} so far)")
+        else:
+            rank_zero_warn(f"{what}: applied anyway (on_nonfinite: warn; {self.nonfinite_steps} so far)")
+        return norm
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write aside, add the manifest, rename into place (``lit_fsdp.checkpoints``); a failure is one line and
+        leaves the previous checkpoint as it was."""
+        trainer = self.lightning_module.trainer
+        path = Path(self.broadcast(str(filepath)))
+        partial = checkpoints.partial_path(path, self.broadcast(f"{trainer.global_step}-{uuid.uuid4().hex[:8]}"))
+        manifest = checkpoints.manifest_for(trainer)
+        if not self._save_distributed_checkpoint:
+            checkpoint[checkpoints.MANIFEST_KEY] = {**manifest, "layout": "full"}
+        failure: checkpoints.CheckpointError | None = None
+        try:
+            super().save_checkpoint(checkpoint, partial, storage_options)
+        except (Exception, CheckpointException) as error:  # every rank must reach the decision below
+            failure = checkpoints.write_error(path, error)  # diagnosed now, while the partial files still fill the disk
+        if self.reduce_boolean_decision(failure is None, all=True):
+            if self.is_global_zero:
+                try:
+                    checkpoints.publish(partial, path, {**manifest, "layout": "sharded"})
+                except OSError as error:
+                    failure = checkpoints.write_error(path, error)
+            if self.broadcast(failure is None):
+                return
+        if self.is_global_zero:
+            checkpoints.remove(partial)
+        raise failure or checkpoints.write_error(path, RuntimeError("another rank could not write its part"))
+
+    def verify_checkpoint(self, path: Path) -> None:
+        """Refuse a checkpoint without a complete manifest (the CLI checks before starting; this guards the API)."""
+        found = checkpoints.inspect(path)
+        if found.problem is not None:
+            raise checkpoints.CheckpointError(f"checkpoint {path} cannot be loaded: {found.problem}")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.verify_checkpoint(Path(self.broadcast(str(checkpoint_path))))
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         summary = (cls.__doc__ or cls.__name__).strip().splitlines()[0]
@@ -176,6 +287,7 @@ class FSDP2Strategy(CausalLMStrategy):
         cpu_offload: bool = False,
         comm_hook: GradientCommHook | None = None,
         compression: CompressionConfig | None = None,
+        on_nonfinite: OnNonFinite = "stop",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -202,12 +314,15 @@ class FSDP2Strategy(CausalLMStrategy):
             comm_hook: Gradient communication hook registered on every FSDP module.
             compression: Gradient compression, e.g. ``{method: int8, num_bits: 8, error_feedback: false}``; see
                 ``python -m lit_fsdp compressors``. Method ``none`` registers no hook at all.
+            on_nonfinite: A step whose loss or gradient norm is not finite (or whose compressed gradients held
+                non-finite values): ``stop`` the run with a one-line error before the update, ``skip_step`` on every
+                rank, or ``warn`` and apply it.
             save_distributed_checkpoint: Sharded checkpoint folder (one file per rank); False writes one full file.
             process_group_backend: ``gloo`` or ``nccl``; default from the device.
             timeout: Collective timeout.
         """
-        super().__init__(block_class, param_dtype, reduce_dtype, activation_checkpointing, save_distributed_checkpoint,
-                         process_group_backend, timeout)
+        super().__init__(block_class, param_dtype, reduce_dtype, activation_checkpointing, on_nonfinite,
+                         save_distributed_checkpoint, process_group_backend, timeout)
         if blocks_per_group < 1 or prefetch < 0:
             raise ValueError(f"blocks_per_group must be >= 1 and prefetch >= 0; got {blocks_per_group}, {prefetch}")
         if replicate_size is not None and (replicate_size < 1 or sharding != "HYBRID_SHARD"):
@@ -225,6 +340,7 @@ class FSDP2Strategy(CausalLMStrategy):
         self.compression = compression
         self.comm_hook = comm_hook
         self.fsdp_modules: list[FSDPModule] = []
+        self._nonfinite_seen = 0
 
     # --- mesh ------------------------------------------------------------------------------------
 
@@ -293,6 +409,29 @@ class FSDP2Strategy(CausalLMStrategy):
         super().setup_optimizers(trainer)
         if not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def clip_gradients(self, max_norm: float | None) -> torch.Tensor:
+        """The global norm of the sharded gradients (a DTensor reduction across ranks), clipped if ``max_norm``."""
+        params = [p for p in self.lightning_module.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def drop_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)  # AdamW leaves parameters without a gradient untouched
+
+    def nonfinite_values(self) -> int:
+        """Non-finite values the compression hooks replaced by zeros since the last step (they count, we compare)."""
+        stats = getattr(self.comm_hook, "stats", None)
+        if stats is None:
+            return 0
+        count = stats.nonfinite
+        new = count - self._nonfinite_seen if count >= self._nonfinite_seen else count  # CompressionStats takes them
+        self._nonfinite_seen = count
+        return new
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

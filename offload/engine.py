@@ -8,8 +8,9 @@
   When the last gradient of a unit's parameters has accumulated, the unit's gradients are reduced
   and copied to the host, its slot is released, and its CPU update starts on the worker thread while
   the device goes on with the units before it.
-- **optimizer step**: wait for the outstanding updates; with clipping, first the global norm, then
-  every update (the updates cannot start before the norm is known: that overlap is lost).
+- **optimizer step**: wait for the outstanding updates; with clipping (or ``on_nonfinite: skip_step``),
+  first the global norm, then every update (the updates cannot start before the norm is known: that
+  overlap is lost).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class SlideEngine:
         self.activations = ActivationStore(self, offload_activations, pin)
         self.phase = IDLE
         self.accumulating = False  # inside Lightning's block_backward_sync: no update at this backward
-        self.clipping = False  # the optimizer step clips: updates wait for the global norm
+        self.defer_updates = False  # clipping or skip_step: updates wait for the end of the backward
         self.arrived = [0] * len(layouts)  # gradients accumulated per unit in the current backward
         self.last_step: OffloadStep | None = None  # the figures of the last optimizer step
         self._backward_window = (0.0, 0.0)
@@ -154,7 +155,7 @@ class SlideEngine:
         grads = [place.param.grad for place in places]
         for place in places:
             place.param.grad = None
-        update_now = not (self.accumulating or self.clipping)
+        update_now = not (self.accumulating or self.defer_updates)
         self.gradients.reduce_and_offload(unit, grads, update_now)
         if unit == self.root:
             self.window.root_used()

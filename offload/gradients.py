@@ -40,12 +40,15 @@ class GradientPipeline:
         shard_group: dist.ProcessGroup | None,
         replicate_group: dist.ProcessGroup | None,
         host_group: dist.ProcessGroup | None,
+        check_finite: bool,
     ):
         """
         Args:
             adam: The CPU optimizer; None when not fitting (nothing is updated).
             shard_group: The node's ranks (reduce-scatter); replicate_group: the same shard on every node.
             host_group: A gloo group of all ranks used only from the worker thread (``cpu_reduce``).
+            check_finite: Before an update, check the unit's gradients; a unit with non-finite values is not
+                updated, and counted (``take_nonfinite``) for the strategy's guard.
         """
         self.layouts, self.host, self.adam, self.transfers = layouts, host, adam, transfers
         self.gpu_reduce = gpu_reduce
@@ -53,6 +56,8 @@ class GradientPipeline:
         self.world_size, self.shard_rank = world_size, shard_rank
         self.shard_group, self.replicate_group, self.host_group = shard_group, replicate_group, host_group
         self.received = [0] * len(layouts)  # micro-batches added to each kept buffer since the last update
+        self.check_finite = check_finite
+        self.nonfinite_units = 0  # updates withheld for non-finite gradients since the last take
 
     def reduce_and_offload(self, unit: int, gradients: list[torch.Tensor | None], update_now: bool) -> None:
         """Send ``unit``'s full gradients (device, one per parameter; None counts as zero) to the host update."""
@@ -109,8 +114,22 @@ class GradientPipeline:
         self.received[unit] = 0
 
     def _step(self, unit: int, gradient: torch.Tensor) -> None:
+        if self.check_finite and not bool(torch.isfinite(gradient).all()):
+            self.nonfinite_units += 1
+            return
         self.adam.update(unit, self.layouts[unit].local_views(gradient))
         self.host.write_staging(unit)
+
+    def take_nonfinite(self) -> int:
+        """Units whose update was withheld for non-finite gradients since the last call (after the worker is idle)."""
+        self.adam.wait()
+        count, self.nonfinite_units = self.nonfinite_units, 0
+        return count
+
+    def discard(self) -> None:
+        """Forget the kept gradients of this step: the optimizer step then updates nothing."""
+        self.adam.wait()
+        self.received = [0] * len(self.layouts)
 
     # --- at the optimizer step -------------------------------------------------------------------
 
@@ -118,8 +137,8 @@ class GradientPipeline:
         """Units whose kept gradient has not been applied yet."""
         return [unit for unit, count in enumerate(self.received) if count]
 
-    def clip_kept(self, max_norm: float, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
-        """Scale the kept gradients so that their global norm is at most ``max_norm``; returns the norm before.
+    def clip_kept(self, max_norm: float | None, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
+        """Scale the kept gradients so that their global norm is at most ``max_norm`` (if set); returns the norm before.
 
         The norm covers every rank's rows (``norm_group`` sums over the node's shards; replicas hold
         the same rows and are not counted twice), as ``torch.nn.utils.clip_grad_norm_`` computes it.
@@ -134,7 +153,8 @@ class GradientPipeline:
         if norm_group is not None:
             dist.all_reduce(squared, group=norm_group)
         total = squared.sqrt()
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for unit in self.kept_units():
-            self.host.gradients[unit].mul_(coefficient)
+        if max_norm:
+            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for unit in self.kept_units():
+                self.host.gradients[unit].mul_(coefficient)
         return total

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lit_fsdp.parallelize import find_blocks
-from lit_fsdp.strategy import CausalLMStrategy, DType
+from lit_fsdp.strategy import CausalLMStrategy, DType, OnNonFinite
 from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, SlideEngine
 from offload.gradients import GradientPipeline
@@ -77,6 +77,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         cpu_threads: int | None = None,
         pin_memory: bool = True,
         block_class: str | None = None,
+        on_nonfinite: OnNonFinite = "stop",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ):
@@ -97,10 +98,14 @@ class SlideFSDPStrategy(CausalLMStrategy):
             cpu_threads: Threads of this rank's CPU work (the AdamW updates); default: cores / processes per node.
             pin_memory: Pin the host buffers that cross PCIe (GPU only); if pinning fails it is turned off with a warning.
             block_class: Class name of the transformer block; default: the model's ``_no_split_modules``.
+            on_nonfinite: A step whose loss or gradients are not finite: ``stop`` the run before anything non-finite is
+                applied, ``skip_step`` on every rank (the CPU updates then wait for the end of the backward, as with
+                clipping), or ``warn`` and apply it.
             process_group_backend: Default ``cpu:gloo,cuda:nccl`` on GPUs (host collectives use gloo), ``gloo`` on CPU.
             timeout: Collective timeout.
         """
-        super().__init__(block_class, param_dtype, reduce_dtype, activation_checkpointing, True, process_group_backend, timeout)
+        super().__init__(block_class, param_dtype, reduce_dtype, activation_checkpointing, on_nonfinite, True,
+                         process_group_backend, timeout)
         if window < 1:
             raise ValueError(f"SlideFSDP window={window}: at least 1 block must fit on the device; set window >= 1")
         if activation_offload == "cpu" and not activation_checkpointing:
@@ -128,9 +133,13 @@ class SlideFSDPStrategy(CausalLMStrategy):
             raise ValueError(f"SlideFSDP: {world_size} processes do not split evenly over {num_nodes} nodes")
         return (num_nodes, world_size // num_nodes)
 
+    def defers_updates(self, trainer: pl.Trainer) -> bool:
+        """Clipping and skipping non-finite steps need every gradient before the first update of a step."""
+        return bool(trainer.gradient_clip_val) or self.on_nonfinite == "skip_step"
+
     def keeps_gradients(self, trainer: pl.Trainer) -> bool:
-        """Accumulation and clipping need each unit's gradient kept on the host until the optimizer step."""
-        return trainer.accumulate_grad_batches > 1 or bool(trainer.gradient_clip_val)
+        """Accumulation and deferred updates need each unit's gradient kept on the host until the optimizer step."""
+        return trainer.accumulate_grad_batches > 1 or self.defers_updates(trainer)
 
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         super().preflight(trainer, module)
@@ -225,12 +234,14 @@ class SlideFSDPStrategy(CausalLMStrategy):
             world_size=self.world_size, shard_rank=shard_rank, shard_group=device_shards,
             replicate_group=self.device_mesh["replicate"].get_group() if self.num_nodes > 1 else None,
             host_group=self.host_group,
+            # deferred updates are guarded by the global norm; overlapped ones check each unit before updating it
+            check_finite=self.on_nonfinite != "warn" and not self.defers_updates(trainer),
         )
         self.engine = SlideEngine(
             network, blocks, layouts, window, gradients, transfers, self.activation_checkpointing,
             self.activation_offload == "cpu", pin,
         )
-        self.engine.clipping = bool(trainer.gradient_clip_val)
+        self.engine.defer_updates = self.defers_updates(trainer)
         self._describe(layouts, compute, shards, pin)
 
     def _describe(self, layouts: list, compute: torch.dtype, shards: int, pin: bool) -> None:
@@ -291,11 +302,26 @@ class SlideFSDPStrategy(CausalLMStrategy):
         assert self.engine is not None
         self.engine.end_backward()
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the host gradients by their global norm (all units, all ranks); the updates then start."""
-        assert self.engine is not None
+    def clip_gradients(self, max_norm: float | None) -> torch.Tensor | None:
+        """With deferred updates: the global norm of the kept host gradients (all units, all ranks), clipped.
+
+        Otherwise the updates already ran during the backward (each unit's gradients checked for
+        non-finite values first): wait for them; there is no global norm.
+        """
+        assert self.engine is not None and self.adam is not None
+        if not self.engine.defer_updates:
+            self.adam.wait()
+            return None
         group = self.cpu_mesh["shard"].get_group() if self.cpu_mesh["shard"].size() > 1 else None
         return self.engine.gradients.clip_kept(max_norm, group)
+
+    def drop_gradients(self, optimizer: Any) -> None:
+        assert self.engine is not None
+        self.engine.gradients.discard()
+
+    def nonfinite_values(self) -> int:
+        assert self.engine is not None
+        return self.engine.gradients.take_nonfinite()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)  # forward, backward, clipping
@@ -328,6 +354,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         import torch.distributed.checkpoint as dcp
 
         path = Path(self.broadcast(checkpoint_path))
+        self.verify_checkpoint(path)
         if not _is_sharded_checkpoint(path):
             raise ValueError(f"{path} is not a sharded checkpoint folder (with {_METADATA_FILENAME}); SlideFSDP resumes from those")
         assert self.host_state_dict is not None

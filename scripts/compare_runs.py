@@ -92,7 +92,8 @@ def load_local(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], list[str]]:
             notes.append(f"{path}: {dropped} earlier record(s) of the same method, world size and seed left out")
         for record in latest.values():
             curve = [h for h in history if h.get("run_name") == record.get("run_name")]
-            records.append({**record, "status": "ok", "history": curve})
+            # callbacks.Results writes status failed (with the error) for a run that stopped on an error or NaN
+            records.append({**record, "status": record.get("status") or "ok", "history": curve})
     for line in failed.values():
         records.append({
             "run_name": line.get("run_name"), "compress_method": line.get("compress_method") or line.get("method"),
@@ -122,7 +123,7 @@ def wandb_record(run: Any) -> dict[str, Any]:
         # _runtime counts from the W&B run's start, a little before training starts.
         for row in run.history(keys=[key, "_runtime"], x_axis="trainer/global_step", pandas=False, samples=2000):
             history.append({"step": row.get("trainer/global_step"), "wall_s": row.get("_runtime"), name: row.get(key)})
-    return {**record, "status": "ok", "history": history}
+    return {**record, "status": record.get("status") or "ok", "history": history}
 
 
 def load_wandb(project: str, timeout_s: float) -> list[dict[str, Any]]:

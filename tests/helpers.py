@@ -57,6 +57,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def fit_arguments(
+    tmp: Path, *args: str, devices: int = 2, batch_size: int = 2, steps: int = 6, callbacks: list[dict] | None = None
+) -> list[str]:
+    """``fit`` arguments for a short run logged to CSV in ``tmp``; ``callbacks`` replace the config's callbacks."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    extra_config = tmp / f"callbacks{len(list(tmp.glob('callbacks*.yaml')))}.yaml"
+    extra_config.write_text(json.dumps({"trainer": {"callbacks": callbacks or []}}))
+    return [
+        "fit", *FAST, "--config", str(extra_config),
+        "--trainer.devices", str(devices),
+        "--data.batch_size", str(batch_size),
+        "--trainer.max_steps", str(steps),
+        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir", str(tmp),
+        *args,
+        "--trainer.default_root_dir", str(tmp),  # last: the method configs name their own run folder
+    ]
+
+
 def fit(
     tmp: Path, *args: str, devices: int = 2, batch_size: int = 2, steps: int = 6, callbacks: list[dict] | None = None,
     nodes: int = 1,
@@ -66,21 +85,8 @@ def fit(
     ``callbacks`` (``{"class_path": ..., "init_args": ...}`` dicts) replace the config's callbacks. With
     ``nodes`` > 1 there are that many "nodes" of one process each on this machine (``devices`` is ignored).
     """
-    tmp.mkdir(parents=True, exist_ok=True)
-    extra_config = tmp / f"callbacks{len(list(tmp.glob('callbacks*.yaml')))}.yaml"
-    extra_config.write_text(json.dumps({"trainer": {"callbacks": callbacks or []}}))
-    run_cli(
-        "fit", *FAST, "--config", str(extra_config),
-        "--trainer.devices", str(devices),
-        "--data.batch_size", str(batch_size),
-        "--trainer.max_steps", str(steps),
-        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
-        "--trainer.logger.save_dir", str(tmp),
-        *args,
-        "--trainer.default_root_dir", str(tmp),  # last: the method configs name their own run folder
-        cwd=tmp,
-        nodes=nodes,
-    )
+    arguments = fit_arguments(tmp, *args, devices=devices, batch_size=batch_size, steps=steps, callbacks=callbacks)
+    run_cli(*arguments, cwd=tmp, nodes=nodes)
     return read_metrics(max(tmp.glob("lightning_logs/version_*/metrics.csv")))
 
 

@@ -105,3 +105,53 @@ class MaxResidentBlocks(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         with open(f"{self.path}.rank{trainer.global_rank}", "w") as f:
             f.write(str(self.most))
+
+
+class RecordSamples(pl.Callback):
+    """Appends ``{step, samples}`` (a digest per sequence) of every trained micro-batch to ``<path>.rank<r>.jsonl``."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        samples = [hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest()[:12] for row in batch["input_ids"]]
+        with open(f"{self.path}.rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "samples": samples}) + "\n")
+
+
+class KillDuringSave(pl.Callback):
+    """SIGKILLs every rank of the run once the checkpoint of ``step`` is written, before its manifest (rank 0)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_start(self, trainer, pl_module):
+        import os
+        import signal
+
+        from lit_fsdp import checkpoints
+
+        publish = checkpoints.publish
+
+        def killing_publish(partial, path, manifest):
+            if manifest["step"] >= self.step:
+                for process in getattr(trainer.strategy.launcher, "procs", []):
+                    os.kill(process.pid, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return publish(partial, path, manifest)
+
+        checkpoints.publish = killing_publish
+
+
+class DieAtStep(pl.Callback):
+    """The process of global rank ``rank`` kills itself (SIGKILL) when training reaches optimizer step ``step``."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import os
+        import signal
+
+        if trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)

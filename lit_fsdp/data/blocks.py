@@ -71,8 +71,8 @@ class BlockDataModule(pl.LightningDataModule):
     """Shared loaders and exact resume for block datasets; subclasses build ``train_set`` / ``val_set``.
 
     The position in the training stream is counted from the batches the trainer actually consumed
-    (not those a loader prefetched) and saved in every checkpoint, so a resumed run neither replays
-    nor skips a batch.
+    (not those a loader prefetched) and saved in every checkpoint as global samples, so a resumed run
+    neither replays nor skips a sample, on any number of processes with the same global batch.
     """
 
     #: set by subclasses in ``setup``
@@ -106,6 +106,9 @@ class BlockDataModule(pl.LightningDataModule):
         if trainer is None:
             return 1, 0
         return trainer.world_size, trainer.global_rank
+
+    def _accumulation(self) -> int:
+        return 1 if self.trainer is None else self.trainer.accumulate_grad_batches
 
     def _loader(self, dataset: Dataset, shuffle: bool, resume: tuple[int, int] | None) -> DataLoader:
         world, rank = self._world()
@@ -142,17 +145,53 @@ class BlockDataModule(pl.LightningDataModule):
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "consumed_batches": self._consumed, "batch_size": self.batch_size}
+        """The position as global samples consumed in the epoch, and the global batch it was counted with."""
+        world, _ = self._world()
+        accumulate = self._accumulation()
+        return {
+            "epoch": self._epoch, "samples_consumed": self._consumed * self.batch_size * world,
+            "batch_size": self.batch_size, "world_size": world, "accumulate_grad_batches": accumulate,
+            "global_batch": self.batch_size * world * accumulate,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._epoch, self._consumed = state_dict["epoch"], state_dict["consumed_batches"]
-        saved = state_dict.get("batch_size", self.batch_size)
-        if saved != self.batch_size:
-            raise ValueError(
-                f"the checkpoint was trained with --data.batch_size {saved}, not {self.batch_size}; "
-                "resume with the same batch size to keep the data position exact"
-            )
+        if "samples_consumed" not in state_dict:
+            raise ValueError("the checkpoint's data position was written by an older lit_fsdp (batches per rank); "
+                             "start a new run, it cannot be resumed exactly")
+        world, _ = self._world()
+        check_same_global_batch(state_dict, self.batch_size, world, self._accumulation(), "the checkpoint")
+        samples, per_batch = state_dict["samples_consumed"], self.batch_size * world
+        if samples % per_batch:
+            raise ValueError(f"the checkpoint stopped after {samples} samples, not a whole number of batches of "
+                             f"{per_batch}; resume with the processes and --data.batch_size it was trained with")
+        self._epoch, self._consumed = state_dict["epoch"], samples // per_batch
         self._resume = (self._epoch, self._consumed)
+
+
+def check_same_global_batch(saved: dict[str, Any], batch_size: int, world: int, accumulate: int, source: str) -> None:
+    """Refuse to resume ``saved`` (a data state or a checkpoint manifest) with another global batch or accumulation.
+
+    The same global batch on another number of processes is fine: global batch j is the same samples
+    on any world size (``ResumableSampler``).
+    """
+    saved_accumulate = saved.get("accumulate_grad_batches") or 1
+    if saved_accumulate != accumulate:
+        raise ValueError(
+            f"{source} accumulated {saved_accumulate} micro-batches per optimizer step, this run {accumulate}: "
+            f"resume with --trainer.accumulate_grad_batches {saved_accumulate}"
+        )
+    saved_global = saved.get("global_batch")
+    if saved_global is not None and saved_global != batch_size * world * accumulate:
+        per_process, advice = saved_global // (world * accumulate), ""
+        if per_process * world * accumulate == saved_global:
+            advice = f": resume with --data.batch_size {per_process} on {world} process(es)"
+        else:
+            advice = f": resume on a number of processes that divides {saved_global // accumulate}"
+        raise ValueError(
+            f"{source} was trained with a global batch of {saved_global} ({saved.get('batch_size')} per process x "
+            f"{saved.get('world_size')} processes x {saved_accumulate}); this run's is {batch_size * world * accumulate} "
+            f"({batch_size} x {world} x {accumulate}){advice}"
+        )
 
 
 def blocks_per_split(total_blocks: int, val_fraction: float) -> tuple[int, int]:

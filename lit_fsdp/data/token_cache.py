@@ -14,6 +14,8 @@ import hashlib
 import itertools
 import json
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
@@ -32,7 +34,7 @@ from lit_fsdp.data.tokenizer import encode_documents, tokenizer_fingerprint
 #: takes (about 50 MB per million characters) and the work a killed build redoes.
 CHARACTERS_PER_CHUNK = 4_000_000
 
-_TOKENS, _PROGRESS, _META, _FAILED, _LOCK = "tokens.bin", "progress.json", "meta.json", "failed", "lock"
+_TOKENS, _PROGRESS, _META, _FAILED, _LOCK, _HEARTBEAT = "tokens.bin", "progress.json", "meta.json", "failed", "lock", "heartbeat"
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -186,19 +188,32 @@ def _chunks(documents: Iterable[tuple[str, int]], characters: int) -> Iterator[t
         yield chunk, bytes_read
 
 
+#: How long ranks wait for local rank 0's build by default: generous, a multi-GB corpus takes a while.
+WAIT_TIMEOUT_S = 6 * 3600.0
+#: Local rank 0 touches its heartbeat this often while it builds; a heartbeat this old means it is gone.
+HEARTBEAT_S, STALE_AFTER_S = 5.0, 60.0
+
+
+class BuilderLostError(ValueError):
+    """Local rank 0 stopped building a cache the other ranks wait for, or took longer than the deadline."""
+
+
 def wait_or_build(
-    directory: Path, build: Callable[[Path], dict[str, Any]], local_rank: int, poll_seconds: float = 1.0
+    directory: Path, build: Callable[[Path], dict[str, Any]], local_rank: int, poll_seconds: float = 1.0,
+    timeout_s: float = WAIT_TIMEOUT_S, stale_after_s: float = STALE_AFTER_S,
 ) -> dict[str, Any]:
     """The ``meta.json`` of the finalized ``directory``, built by local rank 0 while the other ranks wait.
 
     Rank 0 runs ``build(directory)`` (unless a finalized build is there) and writes ``meta.json`` from what it
     returns; if the build raises, it writes the one-line error to a ``failed`` marker. Other ranks poll the
     filesystem rather than block in a collective, so a long build never trips the process-group timeout,
-    and they raise rank 0's error if it fails.
+    and they raise rank 0's error if it fails. Rank 0 keeps a heartbeat file fresh while it works: a waiting
+    rank that finds rank 0's process gone, or its heartbeat older than ``stale_after_s``, or that has waited
+    ``timeout_s``, stops with a one-line error instead of waiting forever.
     """
     if local_rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        with open(directory / _LOCK, "w") as lock:
+        with Heartbeat(directory / _HEARTBEAT), open(directory / _LOCK, "w") as lock:
             # Another job building the same cache holds the lock; wait for it rather than interleave writes.
             fcntl.flock(lock, fcntl.LOCK_EX)
             meta = _finalized_meta(directory)
@@ -212,13 +227,67 @@ def wait_or_build(
                 _write_json(directory / _META, meta)
         return meta
 
+    started, began = time.monotonic(), time.time()
     while (meta := _finalized_meta(directory)) is None:
         # A marker left by an earlier failed run can be read before rank 0 clears it; the same inputs would
         # fail the same way, and a rerun after rank 0 succeeds finds the finalized build.
         if (directory / _FAILED).exists():
             _raise_failure((directory / _FAILED).read_text().strip())
+        waited = time.monotonic() - started
+        gone = _builder_gone(directory / _HEARTBEAT, began, waited, stale_after_s)
+        if gone is not None or waited > timeout_s:
+            what = gone or f"has not finished after {waited:.0f} s (--data.wait_timeout_s {timeout_s:g})"
+            raise BuilderLostError(
+                f"local rank 0, building {directory}, {what}; rerun the same command (the build resumes where it "
+                "stopped) and read rank 0's log for why it stopped"
+            )
         time.sleep(poll_seconds)
     return meta
+
+
+class Heartbeat:
+    """While open, a thread rewrites ``path`` (pid, host, time) every ``HEARTBEAT_S`` seconds."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="lit-fsdp-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        while True:
+            _write_json(self.path, {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()})
+            if self._stop.wait(HEARTBEAT_S):
+                return
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _builder_gone(heartbeat: Path, began: float, waited: float, stale_after_s: float) -> str | None:
+    """Why the builder is gone (its process ended, its heartbeat stopped), or None while it seems alive."""
+    try:
+        beat = json.loads(heartbeat.read_text())
+    except (FileNotFoundError, ValueError):
+        beat = None
+    if beat is not None and beat["time"] >= began - 2 * HEARTBEAT_S and beat["host"] == socket.gethostname():
+        try:  # written by this run's builder on this machine: is the process still there?
+            os.kill(beat["pid"], 0)
+        except ProcessLookupError:
+            return f"(pid {beat['pid']}) has exited"
+        except PermissionError:
+            pass
+    if waited > stale_after_s:
+        if beat is None:
+            return f"never started (no heartbeat after {waited:.0f} s)"
+        age = time.time() - beat["time"]
+        if age > stale_after_s:
+            return f"(pid {beat['pid']} on {beat['host']}) stopped its heartbeat {age:.0f} s ago"
+    return None
 
 
 def _raise_failure(line: str) -> None:
@@ -305,7 +374,8 @@ def cache_key(**parts: Any) -> str:
 
 
 def cached_tokens(
-    source: Path, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, max_documents: int | None = None, local_rank: int = 0
+    source: Path, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, max_documents: int | None = None, local_rank: int = 0,
+    wait_timeout_s: float = WAIT_TIMEOUT_S,
 ) -> MappedTokens:
     """The token stream of ``source``, built once into ``cache_dir`` (keyed by the file, tokenizer and ``max_documents``).
 
@@ -314,5 +384,5 @@ def cached_tokens(
     key = cache_key(source=source_identity(source), tokenizer=tokenizer_fingerprint(tokenizer), max_documents=max_documents)
     directory = cache_dir / f"tokens-{source.stem}-{key}"
     build = partial(build_token_cache, source=source, tokenizer=tokenizer, max_documents=max_documents)
-    wait_or_build(directory, build, local_rank)
+    wait_or_build(directory, build, local_rank, timeout_s=wait_timeout_s)
     return open_tokens(directory)

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from lit_fsdp.data.blocks import BlockDataModule, TokenBlocks, blocks_per_split
 from lit_fsdp.data.progress import CorpusProgress
 from lit_fsdp.data.token_cache import (
+    WAIT_TIMEOUT_S,
     MappedTokens,
     cache_dir_or_default,
     cache_key,
@@ -46,6 +47,7 @@ class WikipediaDataModule(BlockDataModule):
         val_fraction: float = 0.05,
         max_documents: int | None = None,
         cache_dir: str | None = None,
+        wait_timeout_s: float = WAIT_TIMEOUT_S,
         seed: int = 1234,
         num_workers: int = 0,
     ):
@@ -60,6 +62,8 @@ class WikipediaDataModule(BlockDataModule):
             val_fraction: Share of the training blocks held out for validation when val_path is not given.
             max_documents: Read only the first this many articles of each file (for quick runs).
             cache_dir: Folder for tokenizers and token caches; default $LIT_FSDP_CACHE, else ~/.cache/lit_fsdp/tokens.
+            wait_timeout_s: Seconds the other ranks wait for local rank 0 to build the tokenizer and token caches
+                before giving up (they also stop as soon as rank 0's process is gone or its heartbeat stops).
             seed: Seed of the sampling order.
             num_workers: DataLoader worker processes.
         """
@@ -81,6 +85,7 @@ class WikipediaDataModule(BlockDataModule):
         self.val_fraction = val_fraction
         self.max_documents = max_documents
         self.cache_dir = cache_dir_or_default(cache_dir)
+        self.wait_timeout_s = wait_timeout_s
         self._tokenizer: PreTrainedTokenizerBase | None = None
 
     @property
@@ -99,7 +104,7 @@ class WikipediaDataModule(BlockDataModule):
         self.vocab_size = len(self._tokenizer)
         tokens_of = partial(
             cached_tokens, tokenizer=self._tokenizer, cache_dir=self.cache_dir, max_documents=self.max_documents,
-            local_rank=local_rank,
+            local_rank=local_rank, wait_timeout_s=self.wait_timeout_s,
         )
         train_tokens = tokens_of(self.train_path)
         if self.val_path is not None:
@@ -123,7 +128,7 @@ class WikipediaDataModule(BlockDataModule):
             source=source_identity(self.train_path), vocab_size=self.bpe_vocab_size, max_documents=self.max_documents
         )
         directory = self.cache_dir / f"tokenizer-{self.train_path.stem}-{key}"
-        wait_or_build(directory, self._train_tokenizer, local_rank)
+        wait_or_build(directory, self._train_tokenizer, local_rank, timeout_s=self.wait_timeout_s)
         return load_tokenizer(directory)
 
     def _train_tokenizer(self, directory: Path) -> dict[str, Any]:

@@ -1,0 +1,240 @@
+"""Checkpoints that are never half-used: written aside, described by a manifest written last, then renamed into place.
+
+Saving ``NAME`` (a sharded folder or one full file) writes ``.NAME.partial-<token>`` beside it. When
+every rank has finished, rank 0 adds the manifest (step, world size, global batch, data position and,
+for a folder, every file with its size), then renames the result to ``NAME``; the previous ``NAME``
+is removed only after that. A folder's manifest is ``lit_fsdp_manifest.json`` inside it; a file's
+is stored in the file (``checkpoint["lit_fsdp_manifest"]``) and the rename of the finished file is
+what makes it complete. A checkpoint without a complete manifest is never loaded.
+
+``--ckpt_path last`` takes the newest complete checkpoint in the run's checkpoint folder (``last`` or
+any step checkpoint, or one whose save was killed after its manifest and before its rename).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit_fsdp.errors import RunError
+
+MANIFEST = "lit_fsdp_manifest.json"
+MANIFEST_KEY = "lit_fsdp_manifest"  # in a full-file checkpoint
+FORMAT = "lit_fsdp checkpoint v1"
+
+
+class CheckpointError(RunError):
+    """A checkpoint that cannot be written or read; the message is one line that names the path."""
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+
+def partial_path(path: Path, token: str) -> Path:
+    return path.with_name(f".{path.name}.partial-{token}")
+
+
+def manifest_for(trainer: Any) -> dict[str, Any]:
+    """What a resume needs to know before loading: step, world size, global batch and data position."""
+    datamodule = getattr(trainer, "datamodule", None)
+    batch_size = getattr(datamodule, "batch_size", None)
+    position = datamodule.state_dict() if hasattr(datamodule, "state_dict") else {}
+    return {
+        "format": FORMAT,
+        "step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "batch_size": batch_size,
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "global_batch": None if batch_size is None else batch_size * trainer.world_size * trainer.accumulate_grad_batches,
+        "samples_consumed": position.get("samples_consumed"),
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _fsync(path: Path) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
+    descriptor = os.open(path, flags)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def publish(partial: Path, path: Path, manifest: dict[str, Any]) -> None:
+    """Rank 0, after every rank wrote ``partial``: add the manifest, rename into place, drop what it replaced."""
+    if partial.is_dir():
+        files = {}
+        for file in sorted(partial.rglob("*")):
+            if file.is_file():
+                _fsync(file)
+                files[str(file.relative_to(partial))] = file.stat().st_size
+        temporary = partial / f"{MANIFEST}.tmp"
+        temporary.write_text(json.dumps({**manifest, "files": files}, indent=2))
+        _fsync(temporary)
+        os.replace(temporary, partial / MANIFEST)
+    else:
+        _fsync(partial)
+    _fsync(partial.parent)
+    replaced = None
+    if path.is_dir() and not path.is_symlink():
+        replaced = path.with_name(f".{path.name}.old-{partial.name.rsplit('-', 1)[-1]}")
+        os.rename(path, replaced)
+    os.replace(partial, path)  # a file replaces the old one atomically; a folder takes the freed name
+    _fsync(path.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    for stale in path.parent.glob(f".{path.name}.*"):  # saves of the same name that an earlier run left unfinished
+        remove(stale)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def write_error(path: Path, error: BaseException) -> CheckpointError:
+    """One line that says why ``path`` could not be written: no space, a read-only folder, or the error itself."""
+    reason = None
+    pending: list[BaseException] = [error]
+    while pending and reason is None:
+        current = pending.pop()
+        number = getattr(current, "errno", None)
+        if number in (errno.ENOSPC, errno.EDQUOT):
+            reason = "no space left on device"
+        elif number in (errno.EROFS, errno.EACCES, errno.EPERM):
+            reason = "read-only file system" if number == errno.EROFS else "permission denied"
+        # torch.distributed.checkpoint gathers every rank's failure into one CheckpointException
+        for failure in getattr(current, "failures", {}).values():  # (exception, traceback) per rank
+            pending.append(failure[0] if isinstance(failure, tuple) else failure)
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("/"))
+    if reason is None:
+        try:
+            usage = shutil.disk_usage(folder)
+            if usage.free < 1 << 20:  # torch's zip writer reports a full disk as "unexpected pos"
+                reason = "no space left on device"
+        except OSError:
+            pass
+    if reason is None and os.statvfs(folder).f_flag & os.ST_RDONLY:
+        reason = "read-only file system"
+    if reason is None:
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
+    return CheckpointError(f"cannot write checkpoint to {path}: {reason}; the previous checkpoint is unchanged")
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Found:
+    """A checkpoint in a folder: its manifest if complete, else why it is not."""
+
+    path: Path
+    manifest: dict[str, Any] | None
+    problem: str | None
+
+
+def inspect(path: Path) -> Found:
+    """Whether ``path`` is a complete lit_fsdp checkpoint (see the module docstring) and its manifest."""
+    if path.is_dir():
+        manifest_file = path / MANIFEST
+        if not manifest_file.is_file():
+            return Found(path, None, f"it has no {MANIFEST} (its save was interrupted, or an older lit_fsdp wrote it)")
+        try:
+            manifest = json.loads(manifest_file.read_text())
+        except (OSError, ValueError) as error:
+            return Found(path, None, f"its {MANIFEST} cannot be read ({error})")
+        for name, size in manifest.get("files", {}).items():
+            file = path / name
+            if not file.is_file():
+                return Found(path, None, f"{name} is missing")
+            if file.stat().st_size != size:
+                return Found(path, None, f"{name} has {file.stat().st_size} bytes, the manifest says {size}")
+        return Found(path, manifest, None)
+    if path.is_file():
+        try:
+            zipfile.ZipFile(path).close()
+            manifest = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get(MANIFEST_KEY)
+        except Exception as error:  # noqa: BLE001 - any failure to read is "not a complete checkpoint"
+            return Found(path, None, f"it cannot be read ({' '.join(str(error).split())[:120]})")
+        if manifest is None:
+            return Found(path, None, "it holds no lit_fsdp manifest (an older lit_fsdp or another program wrote it)")
+        return Found(path, manifest, None)
+    return Found(path, None, "it does not exist")
+
+
+def candidates(folder: Path) -> list[Path]:
+    """Checkpoints in ``folder``: ``*.ckpt`` files and folders, and saves killed between manifest and rename."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.name.endswith(".ckpt") or ".ckpt.partial-" in p.name)
+
+
+def newest_complete(folder: Path) -> tuple[Found | None, list[Found]]:
+    """The complete checkpoint with the highest step (then the newest), and the broken ones newer than it."""
+    found = [inspect(path) for path in candidates(folder)]
+    complete = sorted(
+        (f for f in found if f.manifest is not None),
+        key=lambda f: (f.manifest.get("step", -1), f.path.stat().st_mtime), reverse=True,
+    )
+    best = complete[0] if complete else None
+    newer_than = best.path.stat().st_mtime if best else float("-inf")
+    broken = [f for f in found if f.manifest is None and not f.path.name.startswith(".") and f.path.stat().st_mtime >= newer_than]
+    return best, broken
+
+
+# --- choosing what to resume from ------------------------------------------------------------------
+
+# Values of --ckpt_path that Lightning resolves itself.
+_LIGHTNING_NAMES = ("best", "hpc", "registry")
+
+
+def resolve(ckpt_path: str | None, folder: Path) -> tuple[str | None, dict[str, Any] | None, list[str]]:
+    """What ``--ckpt_path`` resumes from: ``(path or None, its manifest, lines to print)``.
+
+    ``last``: the newest complete checkpoint in ``folder``, with a line for it and for each broken one
+    skipped; none at all starts fresh and says so. A named checkpoint must be complete, or this raises a
+    one-line ``CheckpointError`` naming it and what is missing.
+    """
+    if ckpt_path is None or ckpt_path in _LIGHTNING_NAMES or ckpt_path.startswith(_LIGHTNING_NAMES):
+        return ckpt_path, None, []
+    if ckpt_path == "last":
+        best, broken = newest_complete(folder)
+        notes = [f"lit_fsdp: skipping checkpoint {f.path}: {f.problem}" for f in broken]
+        if best is None:
+            return None, None, [*notes, f"lit_fsdp: no complete checkpoint in {folder}; starting from step 0"]
+        manifest = best.manifest
+        notes.append(f"lit_fsdp: resuming from {best.path} (step {manifest.get('step')}, "
+                     f"written by {manifest.get('world_size')} process(es))")
+        return str(best.path), manifest, notes
+    found = inspect(Path(ckpt_path))
+    if found.problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt_path} cannot be resumed: {found.problem}; pass another one, "
+                              f"or --ckpt_path last for the newest complete checkpoint of the run")
+    return ckpt_path, found.manifest, []
+
+
+def check_writable(folder: Path, flag: str) -> None:
+    """Fail in one line now, not after hours of training, if ``folder`` cannot be created and written."""
+    probe = folder / ".lit_fsdp_write_test"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        reason = {errno.EROFS: "read-only file system", errno.ENOSPC: "no space left on device",
+                  errno.EACCES: "permission denied", errno.EPERM: "permission denied"}.get(error.errno, error.strerror)
+        raise RunError(f"cannot write to {folder} ({flag}): {reason}; choose a writable folder") from error
