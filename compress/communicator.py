@@ -139,6 +139,16 @@ def deserialize(buffer: torch.Tensor, numel: int) -> Payload:
     return Payload(numel=numel, tensors=tensors, scalars=layout["s"], index_names=tuple(layout["i"]))
 
 
+def screen(tensor: torch.Tensor, stats: CommStats) -> torch.Tensor:
+    """Non-finite gradient values are counted (the strategy's guard reads the count) and replaced by zeros rather than sent."""
+    finite = torch.isfinite(tensor)
+    bad = int(finite.numel() - finite.sum())
+    if bad:
+        stats.nonfinite += bad
+        tensor = torch.where(finite, tensor, torch.zeros_like(tensor))
+    return tensor
+
+
 def _apply_op(result: torch.Tensor, op: object, world: int, prescaled: bool) -> torch.Tensor:
     """``result`` is the sum over ranks (or the mean, when inputs were ``prescaled`` by 1/world)."""
     if op == dist.ReduceOp.AVG:
@@ -156,21 +166,15 @@ class _PayloadMover:
         self.stats = stats
         self.name = name
         self._base_seed = zlib.crc32(name.encode())
-        self._calls = 0
+        self.calls = 0  # kept in checkpoints: a resumed run draws the seeds the uninterrupted one would
 
     def next_seed(self) -> int:
         # Every rank runs the same hooks in the same order, so the call count agrees across ranks.
-        self._calls += 1
-        return self._base_seed * 1_000_003 + self._calls * 1009
+        self.calls += 1
+        return self._base_seed * 1_000_003 + self.calls * 1009
 
     def screen(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Non-finite gradient values are counted and replaced by zeros rather than sent."""
-        finite = torch.isfinite(tensor)
-        bad = int(finite.numel() - finite.sum())
-        if bad:
-            self.stats.nonfinite += bad
-            tensor = torch.where(finite, tensor, torch.zeros_like(tensor))
-        return tensor
+        return screen(tensor, self.stats)
 
     def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
         with _Timer(tensor.device) as timer:

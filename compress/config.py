@@ -12,6 +12,7 @@ from typing import Any, Callable
 from compress.error_feedback import ErrorFeedback
 from compress.lowrank import LowRank
 from compress.payload import Compressor
+from compress.powersgd import PowerSGD
 from compress.quantize import FP8, QSGD, CastBF16, CastFP16, IntQuant, NaturalCompression, OneBit, SignSGD
 from compress.sketch import CountSketch
 from compress.sparsify import RandomK, Sparsified, ThresholdV, TopK
@@ -46,7 +47,11 @@ METHODS: dict[str, Method] = {
         "count-sketch with heavy-hitter recovery (native reduce-scatter)",
         {"ratio": 0.1, "rows": 5, "heavy_ratio": 0.01}, CountSketch,
     ),
-    "lowrank": Method("rank-r power iteration with warm start (PowerSGD-style)", {"rank": 4, "cols": None}, LowRank),
+    "lowrank": Method("per-rank rank-r power iteration of reshaped chunks (each rank its own factors)", {"rank": 4, "cols": None}, LowRank),
+    "powersgd": Method(
+        "PowerSGD: rank-r per matrix, a Q shared by all ranks, P and Q summed natively, error feedback built in",
+        {"rank": 4, "start_step": 10, "min_compression": 2.0}, PowerSGD, feedback=False,
+    ),
     "signsgd": Method("signs and one scale (mean magnitude) per chunk", {"chunk_size": 1024}, SignSGD),
     "onebit": Method("1-bit SGD: signs and per-chunk means of each sign", {"chunk_size": 1024}, OneBit),
 }
@@ -60,7 +65,7 @@ class CompressionConfig:
     """Gradient compression for FSDP2 communication; unset parameters take the method's default."""
 
     method: str = "none"
-    """none, fp16, bf16, fp8, int8, qsgd, natural, topk, randomk, thresholdv, sketch, lowrank, signsgd, onebit"""
+    """none, fp16, bf16, fp8, int8, qsgd, natural, topk, randomk, thresholdv, sketch, lowrank, powersgd, signsgd, onebit"""
     error_feedback: bool = False
     """carry what compression dropped into the next step (biased methods only)"""
     quantize: str | None = None
@@ -84,7 +89,11 @@ class CompressionConfig:
     heavy_ratio: float | None = None
     """sketch: share of coordinates recovered as heavy hitters"""
     rank: int | None = None
-    """lowrank: rank of the approximation"""
+    """lowrank, powersgd: rank of the approximation"""
+    start_step: int | None = None
+    """powersgd: uncompressed steps before PowerSGD starts"""
+    min_compression: float | None = None
+    """powersgd: compress a matrix only if it sends at least this many times fewer values"""
     cols: int | None = None
     """lowrank: columns of the matrix a gradient chunk is reshaped into (default about sqrt(n))"""
 
@@ -116,8 +125,8 @@ class CompressionConfig:
             compressor = Sparsified(compressor, _build(self.quantize, METHODS[self.quantize].defaults, rank))
         if self.error_feedback:
             if not method.feedback or (self.method == "randomk" and self.parameters()["rescale"]):
-                raise ValueError(f"error_feedback needs a biased method; {self.method!r} is "
-                                 f"{'no compression' if self.method == 'none' else 'unbiased'}: set error_feedback false")
+                kind = {"none": "no compression", "powersgd": "built with its own error feedback"}.get(self.method, "unbiased")
+                raise ValueError(f"error_feedback needs a biased method; {self.method!r} is {kind}: set error_feedback false")
             compressor = ErrorFeedback(compressor)
         return compressor
 

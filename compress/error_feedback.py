@@ -7,7 +7,31 @@ import torch
 from compress.payload import Compressor, Payload
 
 
-class ErrorFeedback:
+class Residuals:
+    """What compression still owes the model, per chunk ``key``: its norm and memory are reported by CompressionStats."""
+
+    residuals: dict[str, torch.Tensor]
+
+    @property
+    def residual_norm(self) -> float:
+        """L2 norm of all residuals together (what is still owed to the model)."""
+        if not self.residuals:
+            return 0.0
+        return float(torch.sqrt(sum(r.float().pow(2).sum() for r in self.residuals.values())))
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(r.numel() * r.element_size() for r in self.residuals.values())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's residuals, for checkpoints: a resumed run owes the model what the uninterrupted one would."""
+        return {f"residual/{key}": value for key, value in self.residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.residuals = {key.removeprefix("residual/"): v for key, v in state.items() if key.startswith("residual/")}
+
+
+class ErrorFeedback(Residuals):
     """Wraps any compressor; keeps one residual per chunk ``key`` (Seide et al. 2014, Karimireddy et al. 2019).
 
     ``compress`` sends ``C(x + e)`` and keeps ``e' = x + e - D(C(x + e))``, so the residual plus what was
@@ -30,13 +54,11 @@ class ErrorFeedback:
     def decompress(self, payload: Payload) -> torch.Tensor:
         return self.inner.decompress(payload)
 
-    @property
-    def residual_norm(self) -> float:
-        """L2 norm of all residuals together (what is still owed to the model)."""
-        if not self.residuals:
-            return 0.0
-        return float(torch.sqrt(sum(r.float().pow(2).sum() for r in self.residuals.values())))
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        inner = getattr(self.inner, "state_dict", None)
+        return {**super().state_dict(), **({f"inner/{k}": v for k, v in inner().items()} if inner else {})}
 
-    @property
-    def memory_bytes(self) -> int:
-        return sum(r.numel() * r.element_size() for r in self.residuals.values())
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)
+        if hasattr(self.inner, "load_state_dict"):
+            self.inner.load_state_dict({k.removeprefix("inner/"): v for k, v in state.items() if k.startswith("inner/")})

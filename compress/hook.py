@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter
 from compress.config import CompressionConfig
+from compress.powersgd import PowerSGD, PowerSGDAllReduce, PowerSGDReduceScatter, unit_layout
 
 
 def reduce_scatter_row(module: FSDPModule, world: int) -> int:
@@ -34,6 +36,24 @@ class GradientCompression:
         self.stats = CommStats()
         self.compressor = None
         self._units = 0
+        self._movers: list = []  # per hook: the call count that seeds shared randomness
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's compression state (residuals, warm starts, call counts): a checkpoint keeps it, so a resumed
+        run compresses as the uninterrupted one would."""
+        state = {f"calls/{index}": torch.tensor(mover.calls) for index, mover in enumerate(self._movers)}
+        compressor_state = getattr(self.compressor, "state_dict", None)
+        if compressor_state is not None:
+            state.update({f"compressor/{key}": value for key, value in compressor_state().items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for index, mover in enumerate(self._movers):
+            mover.calls = int(state.get(f"calls/{index}", mover.calls))
+        if hasattr(self.compressor, "load_state_dict"):
+            self.compressor.load_state_dict(
+                {k.removeprefix("compressor/"): v for k, v in state.items() if k.startswith("compressor/")}
+            )
 
     def register(self, module: FSDPModule, mesh: DeviceMesh) -> None:
         if self.compressor is None:
@@ -44,9 +64,22 @@ class GradientCompression:
         check_fits = getattr(getattr(self.compressor, "inner", self.compressor), "check_fits", None)
         if check_fits is not None:  # e.g. a low rank larger than a chunk's matrix: fail before the first step
             check_fits(reduce_scatter_row(module, shard.size()))
+        if isinstance(self.compressor, PowerSGD):  # its own communicators: native all-reduces of P and Q, no payloads
+            # the reduce-scatter's input is the unit's rank-major flat gradient; the replicate all-reduce's, this
+            # rank's shard of it: the same layout describes both
+            layout = unit_layout(module, shard.size(), shard.get_local_rank())
+            if shard.size() > 1:
+                module.set_custom_reduce_scatter(PowerSGDReduceScatter(self.compressor, self.stats, name, layout))
+            if mesh.ndim == 2 and mesh["replicate"].size() > 1:
+                module.set_all_reduce_hook(
+                    PowerSGDAllReduce(self.compressor, self.stats, f"{name}/ar", layout, mesh["replicate"].get_group())
+                )
+            return
         if shard.size() > 1:
-            module.set_custom_reduce_scatter(CompressedReduceScatter(self.compressor, self.stats, name))
+            reduce_scatter = CompressedReduceScatter(self.compressor, self.stats, name)
+            module.set_custom_reduce_scatter(reduce_scatter)
+            self._movers.append(reduce_scatter.mover)
         if mesh.ndim == 2 and mesh["replicate"].size() > 1:
-            module.set_all_reduce_hook(
-                CompressedAllReduce(self.compressor, self.stats, name, mesh["replicate"].get_group())
-            )
+            all_reduce = CompressedAllReduce(self.compressor, self.stats, name, mesh["replicate"].get_group())
+            module.set_all_reduce_hook(all_reduce)
+            self._movers.append(all_reduce.mover)

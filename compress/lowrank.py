@@ -62,6 +62,13 @@ class LowRank:
         self._q[key] = q.clone()
         return Payload(n, {"p": p, "q": q})
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The warm starts, for checkpoints."""
+        return {f"q/{key}": q for key, q in self._q.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._q = {key.removeprefix("q/"): q for key, q in state.items() if key.startswith("q/")}
+
     def decompress(self, payload: Payload) -> torch.Tensor:
         p, q = payload.tensors["p"], payload.tensors["q"]
         return (p @ q.T).flatten()[: payload.numel]

@@ -39,6 +39,7 @@ from lit_fsdp.weights import materialize
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 OnNonFinite = Literal["stop", "skip_step", "warn"]
+_HOOK_STATE = "comm_hook."  # checkpoint keys of each rank's compression state: comm_hook.rank<r>/<key>
 
 
 class NonFiniteError(RunError):
@@ -432,6 +433,42 @@ class FSDP2Strategy(CausalLMStrategy):
         new = count - self._nonfinite_seen if count >= self._nonfinite_seen else count  # CompressionStats takes them
         self._nonfinite_seen = count
         return new
+
+    # --- the comm hook's state in checkpoints -------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's sharded state, and this rank's compression state (residuals, warm starts) under its rank."""
+        state = super().lightning_module_state_dict()
+        hook_state = getattr(self.comm_hook, "state_dict", None)
+        if hook_state is not None and self._save_distributed_checkpoint:
+            state.update({f"{_HOOK_STATE}rank{self.global_rank}/{key}": value for key, value in hook_state().items()})
+        return state
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        metadata = super().load_checkpoint(checkpoint_path, weights_only)
+        if hasattr(self.comm_hook, "load_state_dict"):
+            self._load_hook_state(Path(self.broadcast(str(checkpoint_path))))
+        return metadata
+
+    def _load_hook_state(self, path: Path) -> None:
+        """Each rank reads back its own compression state (a collective); another world size starts it afresh."""
+        import torch.distributed.checkpoint as dcp
+
+        if not path.is_dir():
+            return
+        entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        prefix = f"state_dict.{_HOOK_STATE}rank{self.global_rank}/"
+        mine = {key.removeprefix("state_dict."): entry for key, entry in entries.items() if key.startswith(prefix)}
+        saved_by_others = any(key.startswith(f"state_dict.{_HOOK_STATE}") for key in entries)
+        if saved_by_others and not self.reduce_boolean_decision(bool(mine), all=True):
+            rank_zero_warn("the checkpoint's compression state (error-feedback residuals, warm starts) was saved by "
+                           "another number of processes; it starts afresh")
+            return
+        state = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in mine.items()}
+        dcp.load({"state_dict": state}, checkpoint_id=str(path))
+        device = self.root_device
+        self.comm_hook.load_state_dict({key.removeprefix(prefix.removeprefix("state_dict.")): value.to(device)
+                                        for key, value in state.items()})
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from offload.checkpointing import ActivationStore, BeforeBackward, CheckpointedBlock
 from offload.cpu_adam import CpuAdam
 from offload.gradients import GradientPipeline
-from offload.layout import UnitLayout
+from lit_fsdp.layout import UnitLayout
 from offload.residency import DeviceWindow
 from offload.transfers import Transfers
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from offload.cpu_adam import CpuAdam
 from offload.host import HostState
-from offload.layout import UnitLayout
+from lit_fsdp.layout import UnitLayout
 from offload.transfers import Event, Transfers
 
 

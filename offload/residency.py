@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from offload.host import HostState
-from offload.layout import UnitLayout
+from lit_fsdp.layout import UnitLayout
 from offload.transfers import Event, Transfers
 
 

@@ -1,6 +1,6 @@
 """SlideFSDP's host state seen as DTensors: checkpoints in FSDP2's layout, and weight init or loading through them.
 
-Each rank's master rows of a parameter are a ``Shard(0)`` chunk of the full tensor (``offload.layout``),
+Each rank's master rows of a parameter are a ``Shard(0)`` chunk of the full tensor (``lit_fsdp.layout``),
 so they, and the AdamW moments beside them, can be presented as DTensors on a CPU device mesh without
 a copy. ``torch.distributed.checkpoint`` then saves and loads them in place, under the same keys and
 shapes as an FSDP2 checkpoint (``model.<name>``, ``optimizer_0.state.model.<name>.exp_avg``, ...):
@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lit_fsdp.weights import clean_name
 from offload.cpu_adam import CpuAdam
-from offload.layout import ParamPlace, UnitLayout
+from lit_fsdp.layout import ParamPlace, UnitLayout
 
 _PREFIX = "model."  # CausalLM keeps the network in `self.model`
 

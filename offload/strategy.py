@@ -33,7 +33,7 @@ from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, SlideEngine
 from offload.gradients import GradientPipeline
 from offload.host import HostState, SharedStaging, can_pin, node_tag
-from offload.layout import build_layouts
+from lit_fsdp.layout import build_layouts
 from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
 from offload.transfers import Transfers

@@ -9,6 +9,7 @@ import pytest
 
 from compress.config import METHODS
 from tests.helpers import REPO, fit
+from tests.test_resume_and_export import checkpoint_every
 
 METHOD_CONFIGS = sorted(p.stem for p in REPO.glob("configs/*.yaml") if "compression:" in p.read_text())
 ODD_VOCAB = ["--data.vocab_size", "509"]  # rows that do not divide by the world size: FSDP pads the shards
@@ -30,9 +31,14 @@ def test_method_none_is_bit_identical_to_no_hook(tmp_path):
     assert none["train/loss"] == plain["train/loss"]
 
 
+# PowerSGD's shipped config starts after 10 dense steps; these runs are 5 steps long
+EARLY_START = {"powersgd": ["--trainer.strategy.init_args.compression.start_step", "1"]}
+
+
 @pytest.mark.parametrize("config", [c for c in METHOD_CONFIGS if c != "baseline"])
 def test_each_method_trains_with_finite_falling_loss(tmp_path, config):
-    metrics = fit(tmp_path, "--config", str(REPO / "configs" / f"{config}.yaml"), *ODD_VOCAB, steps=5)
+    metrics = fit(tmp_path, "--config", str(REPO / "configs" / f"{config}.yaml"), *ODD_VOCAB,
+                  *EARLY_START.get(config, []), steps=5)
     losses = metrics["train/loss"]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
     report = json.loads((tmp_path / "compression.json").read_text())
@@ -40,11 +46,11 @@ def test_each_method_trains_with_finite_falling_loss(tmp_path, config):
     assert metrics["compress/ratio_vs_fp32"][-1] > (1.9 if config in ("fp16", "bf16") else 1.0)
 
 
-@pytest.mark.parametrize("method", ["fp16", "int8"])
+@pytest.mark.parametrize("method", ["fp16", "int8", "powersgd"])
 @pytest.mark.parametrize("sharding", ["NO_SHARD", "HYBRID_SHARD"])
 def test_replicate_paths_train_and_compress(tmp_path, sharding, method):
     metrics = fit(
-        tmp_path, "--config", str(REPO / "configs" / f"{method}.yaml"), *ODD_VOCAB,
+        tmp_path, "--config", str(REPO / "configs" / f"{method}.yaml"), *ODD_VOCAB, *EARLY_START.get(method, []),
         "--trainer.strategy.init_args.sharding", sharding,
         *(["--trainer.strategy.init_args.replicate_size", "2"] if sharding == "HYBRID_SHARD" else []),
         steps=5,
@@ -52,3 +58,20 @@ def test_replicate_paths_train_and_compress(tmp_path, sharding, method):
     losses = metrics["train/loss"]
     assert losses[-1] < losses[0]
     assert metrics["compress/bytes_sent"][-1] > 0  # the replicate all-reduce went through the hook
+
+
+@pytest.mark.parametrize(
+    "compression",
+    ["{method: int8, num_bits: 2, error_feedback: true}", "{method: topk, ratio: 0.05, error_feedback: true}",
+     "{method: powersgd, rank: 2, start_step: 1}"],
+    ids=["int8+EF", "topk+EF", "powersgd"],
+)
+def test_compressed_resume_at_step_3_of_6_equals_the_uninterrupted_run(tmp_path, compression):
+    """Residuals, warm starts and seed counters are in the checkpoint: the resumed run compresses as the whole one."""
+    knob = ["--trainer.strategy.init_args.compression", compression]
+    whole = fit(tmp_path / "whole", *knob, steps=6)
+    part, ckpts = tmp_path / "part", tmp_path / "ckpt"
+    first = fit(part, *knob, steps=6, callbacks=[checkpoint_every(3, ckpts),
+                                                 {"class_path": "tests.probes.StopAtStep", "init_args": {"step": 3}}])
+    second = fit(part, *knob, "--ckpt_path", "last", steps=6, callbacks=[checkpoint_every(3, ckpts)])
+    assert first["train/loss"] + second["train/loss"] == pytest.approx(whole["train/loss"], rel=1e-5, abs=1e-6)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from offload.layout import UnitLayout
+from lit_fsdp.layout import UnitLayout
 from tests.helpers import REPO, fit, run_cli
 from tests.test_resume_and_export import assert_export_gives_logits, checkpoint_every, digests, record
 

@@ -1,7 +1,7 @@
-"""Where a unit's parameters live in each of SlideFSDP's buffers.
+"""Where a unit's parameters live in a flat buffer: whole (one after another) or sharded by rows (FSDP2's layout).
 
-A *unit* is a transformer block, or the root (embeddings, final norm, head). Its parameters are laid
-out two ways:
+A *unit* is a transformer block, or the root (embeddings, final norm, head): an FSDP2 module, or what
+SlideFSDP moves at once. Its parameters are laid out two ways:
 
 - **full** (device slots, the full-mode staging copy): each parameter whole, one after another, so a
   parameter is a plain view of the buffer.
@@ -105,14 +105,19 @@ class UnitLayout:
 
     # --- between layouts -------------------------------------------------------------------------
 
-    def _rank_major_columns(self, rank_major: torch.Tensor, place: ParamPlace) -> torch.Tensor:
-        """``place``'s padded chunks in a rank-major buffer, one row per rank: shape (shards, chunk_numel)."""
-        return rank_major.view(self.shards, self.shard_numel)[:, place.shard_offset : place.shard_offset + place.chunk_numel]
+    def rank_major_view(self, rank_major: torch.Tensor, place: ParamPlace) -> torch.Tensor:
+        """``place``'s padded rows in a rank-major buffer: shape (shards, chunk_rows, cols), a view.
+
+        FSDP2's reduce-scatter input is such a buffer: merging the first two dimensions gives the
+        parameter's full gradient (as a rows x cols matrix), padded with zero rows.
+        """
+        columns = rank_major.view(self.shards, self.shard_numel)[:, place.shard_offset : place.shard_offset + place.chunk_numel]
+        return columns.view(self.shards, place.chunk_rows, place.cols)
 
     def gather_to_full(self, rank_major: torch.Tensor, full: torch.Tensor) -> None:
         """Copy an all-gathered rank-major buffer into the full layout (padding dropped)."""
         for place, view in zip(self.places, self.full_views(full)):
-            chunks = self._rank_major_columns(rank_major, place).view(self.shards, place.chunk_rows, place.cols)
+            chunks = self.rank_major_view(rank_major, place)
             rows = view.view(place.rows, place.cols)
             for rank in range(self.shards):
                 start = rank * place.chunk_rows
@@ -123,7 +128,7 @@ class UnitLayout:
     def scatter_to_rank_major(self, tensors: list[torch.Tensor | None], rank_major: torch.Tensor) -> None:
         """Copy full-shape tensors (one per parameter; None is zero) into a rank-major buffer, padding with zeros."""
         for place, tensor in zip(self.places, tensors):
-            chunks = self._rank_major_columns(rank_major, place).view(self.shards, place.chunk_rows, place.cols)
+            chunks = self.rank_major_view(rank_major, place)
             if tensor is None:
                 chunks.zero_()
                 continue
