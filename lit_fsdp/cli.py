@@ -9,6 +9,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from callbacks.run_folder import compression_method, run_name
 from lit_fsdp.data.blocks import BlockDataModule
+from lit_fsdp.ddp import DDPStrategy
 from lit_fsdp.model import CausalLM
 import offload  # noqa: F401  (registers the slide_fsdp strategy name)
 from lit_fsdp.strategy import CausalLMStrategy
@@ -34,11 +35,11 @@ class LitFsdpCLI(LightningCLI):
 
     def _preflight(self) -> None:
         strategy = self.trainer.strategy
-        if not isinstance(strategy, CausalLMStrategy):
+        if not isinstance(strategy, (CausalLMStrategy, DDPStrategy)):
             raise ValueError(
                 f"--trainer.strategy is {type(strategy).__name__}; lit_fsdp models are built on the meta device "
-                "and need lit_fsdp.strategy.FSDP2Strategy (the default) or offload.SlideFSDPStrategy: remove the "
-                "--trainer.strategy override"
+                "and need lit_fsdp.strategy.FSDP2Strategy (the default), offload.SlideFSDPStrategy or "
+                "lit_fsdp.ddp.DDPStrategy (whole model on each rank): remove the --trainer.strategy override"
             )
         strategy.preflight(self.trainer, self.model)
         positions = getattr(self.model.hf_config(), "max_position_embeddings", None)

@@ -33,6 +33,25 @@ Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+def resolve_dtype(name: DType, device: torch.device, fallback: torch.dtype | None = None) -> torch.dtype:
+    """The dtype a strategy's ``param_dtype``/``reduce_dtype`` names; ``auto`` is ``fallback``, else bfloat16 on GPUs with it, else float32."""
+    if name == "auto":
+        if fallback is not None:
+            return fallback
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    return getattr(torch, name)
+
+
+def check_precision(trainer: pl.Trainer, strategy: Any) -> None:
+    """lit_fsdp's strategies set the compute dtype with ``param_dtype``; the trainer's precision must stay 32-true."""
+    if trainer.precision not in ("32-true", "32"):
+        raise ValueError(
+            f"--trainer.precision {trainer.precision} is not used by {type(strategy).__name__}; leave it at 32-true and "
+            "set --trainer.strategy.init_args.param_dtype bfloat16 instead"
+        )
+
+
 @runtime_checkable
 class GradientCommHook(Protocol):
     """Anything that changes how an FSDP2 module communicates gradients (e.g. compression).
@@ -109,12 +128,7 @@ class CausalLMStrategy(ModelParallelStrategy):
     # --- model -----------------------------------------------------------------------------------
 
     def resolve_dtype(self, name: DType, fallback: torch.dtype | None = None) -> torch.dtype:
-        if name == "auto":
-            if fallback is not None:
-                return fallback
-            cuda_bf16 = self.root_device.type == "cuda" and torch.cuda.is_bf16_supported()
-            return torch.bfloat16 if cuda_bf16 else torch.float32
-        return getattr(torch, name)
+        return resolve_dtype(name, self.root_device, fallback)
 
     @abstractmethod
     def is_placed(self, network: torch.nn.Module) -> bool:
@@ -138,11 +152,7 @@ class CausalLMStrategy(ModelParallelStrategy):
                 f"{type(self).__name__} places `LightningModule.model` and fills it with "
                 "`LightningModule.initialize_weights(blocks)`; lit_fsdp.CausalLM provides both"
             )
-        if trainer.precision not in ("32-true", "32"):
-            raise ValueError(
-                f"--trainer.precision {trainer.precision} is not used by {type(self).__name__}; leave it at 32-true and "
-                "set --trainer.strategy.init_args.param_dtype bfloat16 instead"
-            )
+        check_precision(trainer, self)
         if not self.is_placed(network):
             self.place(network, module)
         self.move_module(module)
@@ -150,6 +160,11 @@ class CausalLMStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    @property
+    def label(self) -> str:
+        """The strategy's name in results records and sweeps (``slide_fsdp``; FSDP2 adds its sharding mode)."""
+        return self.strategy_name
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -225,6 +240,11 @@ class FSDP2Strategy(CausalLMStrategy):
         self.compression = compression
         self.comm_hook = comm_hook
         self.fsdp_modules: list[FSDPModule] = []
+
+    @property
+    def label(self) -> str:
+        """``fsdp2`` for FULL_SHARD, ``fsdp2_shard_grad_op``, ``fsdp2_no_shard`` or ``fsdp2_hybrid_shard`` otherwise."""
+        return "fsdp2" if self.sharding == "FULL_SHARD" else f"fsdp2_{self.sharding.lower()}"
 
     # --- mesh ------------------------------------------------------------------------------------
 
