@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -62,7 +63,8 @@ class LitFsdpCLI(LightningCLI):
     before_fit = before_validate = before_test = before_predict = _preflight
 
 
-def run(args: list[str] | None = None) -> LitFsdpCLI:
+def run(args: list[str] | None = None, **cli_options: Any) -> LitFsdpCLI:
+    """The CLI on ``args``; ``run=False`` parses them into a trainer, model and data without a subcommand (``tune`` does)."""
     return LitFsdpCLI(
         CausalLM,
         BlockDataModule,
@@ -72,4 +74,5 @@ def run(args: list[str] | None = None) -> LitFsdpCLI:
         save_config_callback=SaveConfig,
         save_config_kwargs={"overwrite": True},
         args=args,
+        **cli_options,
     )
