@@ -31,7 +31,7 @@ from lit_fsdp.tune.report import PLOT, append_trial, write_best, write_report
 from lit_fsdp.tune.space import COMMON_KNOBS, STRATEGY_CLASSES, STRATEGY_KNOBS, Candidate, RunShape, SearchSpace
 from lit_fsdp.tune.trials import TrialRunner, TrialSchedule
 
-OUTPUTS = ("trials.jsonl", "best.yaml", "report.md", PLOT, "trials")  # what a new search in OUT replaces
+OUTPUTS = ("trials.jsonl", "best.yaml", "report.md", "summary.json", PLOT, "trials")  # what a new search in OUT replaces
 
 
 @dataclass
@@ -41,8 +41,8 @@ class TuneOptions:
     trials: int = 12
     """trials to run at most (candidates rejected without running do not count)"""
     out: str = "runs/tune"
-    """folder for trials.jsonl, best.yaml, report.md, tokens_per_s.png and the trials' run folders (trials/NN);
-    a previous search's files there are replaced"""
+    """folder for trials.jsonl, best.yaml, report.md, summary.json, tokens_per_s.png and the trials' run folders
+    (trials/NN); a previous search's files there are replaced"""
     time_budget: float | None = None
     """seconds for the whole search (null: no limit); a trial's deadline is at most the time left"""
     hardware: str | None = None
@@ -87,12 +87,16 @@ def split_arguments(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def parser() -> ArgumentParser:
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # the options' help is their attribute docstrings
     parser = ArgumentParser(
         prog="lit_fsdp tune", description=__doc__.split("\n\n")[0], exit_on_error=False,
         epilog="Every argument that is not --tune.* is fit's (--config FILE, --trainer.devices 2, ...).",
     )
-    parser.add_argument("--tune", type=TuneOptions, default=TuneOptions())
+    # The options' help is their attribute docstrings; the setting is global and slows other parsers: only here.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    try:
+        parser.add_argument("--tune", type=TuneOptions, default=TuneOptions())
+    finally:
+        set_parsing_settings(docstring_parse_attribute_docstrings=False)
     return parser
 
 
@@ -193,6 +197,7 @@ def main(argv: Sequence[str]) -> None:
     base_compression = (base.get("init_args") or {}).get("compression")
     run = run_shape(trainer, data, hardware)
     default = default_candidate(trainer, data)
+    data.setup("fit")  # tokenizer and token cache built once, here: no trial's deadline pays for them
     allowed = options.space.resolve(run)
     validate = strategy_validator(trainer, module, base)
     if (reason := validate(default)) is not None:
@@ -216,7 +221,7 @@ def main(argv: Sequence[str]) -> None:
 
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     result = Controller(search, budget, adviser, on_trial).run()
-    summary = [
+    header = [
         f"`python -m lit_fsdp tune {' '.join(argv)}`, started {started}.", "",
         f"Hardware: {hardware.nodes} node(s) x {hardware.devices_per_node} {hardware.device_name} "
         f"({hardware.device_memory_gb:.3g} GB each, host {hardware.host_memory_gb:.3g} GB); model: "
@@ -225,7 +230,7 @@ def main(argv: Sequence[str]) -> None:
     ]
     if result.best is not None:
         write_best(out / "best.yaml", result, run, base_compression)
-    write_report(out, result, memory, summary)
+    write_report(out, result, memory, header)
     best = (f"best: trial {result.best.index}, {result.best.tokens_per_s:,.0f} tokens/s; overlay {out / 'best.yaml'}"
             if result.best is not None else "no trial ran to completion: no best.yaml")
     print(f"{result.stop_reason}; {best}; report {out / 'report.md'}")

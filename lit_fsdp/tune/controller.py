@@ -129,8 +129,7 @@ class Controller:
         trial = self.search.run_trial(candidate, self.ran + 1, source, deadline)
         trial.estimate = estimate
         self.calibrate(trial)
-        reference = self.default.check_loss if self.default is not None else trial.check_loss
-        judge(trial, Evidence(reference, self.search.loss_tolerance, memory.device_budget / GIB))
+        judge(trial, Evidence(self.default, self.search.loss_tolerance, memory.memory_gb, memory.device_budget / GIB))
         if source == "default":
             self.default = trial
         self.update_best(trial)

@@ -3,9 +3,11 @@
 Each rule reads one kind of evidence and returns a ``Finding`` or nothing:
 
 - ``failure``: the run crashed or hit its deadline;
-- ``memory_pressure``: out of memory, or a measured peak over (or within 10% of) the memory a process has;
-- ``numerics``: the loss after the trial's steps differs from the default's beyond the tolerance, or
-  is not finite (a lossy compressor, a too-narrow dtype): the trial is flagged and cannot be the best;
+- ``memory_pressure``: out of memory, a measured peak over the memory a process has (the trial is
+  flagged: it would not run on the hardware described), or inside the memory filter's margin;
+- ``numerics``: the validation loss after the trial's steps, or (at the default's micro-batch) the
+  training loss of a step, differs from the default's beyond the tolerance, or a loss is not finite
+  (a lossy compressor, a too-narrow dtype): the trial is flagged and cannot be the best;
 - ``offload``: SlideFSDP's CPU AdamW update is mostly not hidden behind the backward;
 - ``communication``: collectives not overlapped with compute take a sizeable share of the step;
 - ``host_overhead``: the step has time with neither compute nor communication (Python, kernel
@@ -26,7 +28,6 @@ from lit_fsdp.tune.trials import Trial
 
 EXPOSED_COMM_SHARE = 0.10
 IDLE_SHARE = 0.25
-NEAR_LIMIT = 0.90
 HEADROOM = 0.50
 HIDDEN_UPDATE_SHARE = 0.50
 
@@ -44,9 +45,10 @@ class Finding:
 class Evidence:
     """What the rules compare a trial with."""
 
-    reference_loss: float | None  # the default's loss after the same steps
+    reference: Trial | None  # the default's trial: its losses after the same steps on the same data
     loss_tolerance: float  # relative
-    memory_gb: float  # what one process has (device memory less the margin)
+    memory_gb: float  # the device memory one process has
+    budget_gb: float  # that, less the memory filter's margin
 
 
 def _failure(trial: Trial, evidence: Evidence) -> Finding | None:
@@ -63,8 +65,9 @@ def _memory_pressure(trial: Trial, evidence: Evidence) -> Finding | None:
     if trial.peak_gb > evidence.memory_gb:
         return Finding("memory_pressure", f"peak {trial.peak_gb:.2f} GB is over the {evidence.memory_gb:.2f} GB a process has",
                        disqualifies=True)
-    if trial.peak_gb > NEAR_LIMIT * evidence.memory_gb:
-        return Finding("memory_pressure", f"peak {trial.peak_gb:.2f} GB is within 10% of the {evidence.memory_gb:.2f} GB a process has")
+    if trial.peak_gb > evidence.budget_gb:
+        return Finding("memory_pressure", f"peak {trial.peak_gb:.2f} GB is inside the margin the memory filter keeps "
+                                          f"(budget {evidence.budget_gb:.2f} of {evidence.memory_gb:.2f} GB)")
     return None
 
 
@@ -72,12 +75,21 @@ def _numerics(trial: Trial, evidence: Evidence) -> Finding | None:
     losses = [*trial.losses, *([trial.check_loss] if trial.check_loss is not None else [])]
     if any(not math.isfinite(loss) for loss in losses):
         return Finding("numerics", "a loss is not finite", disqualifies=True)
-    reference, loss = evidence.reference_loss, trial.check_loss
-    if reference is None or loss is None:
+    reference = evidence.reference
+    if reference is None or reference is trial:
         return None
-    change = abs(loss - reference) / abs(reference)
+    pairs = []  # (what, the trial's loss, the default's)
+    if trial.check_loss is not None and reference.check_loss is not None:
+        pairs.append(("validation loss after the trial", trial.check_loss, reference.check_loss))
+    if trial.candidate.micro_batch == reference.candidate.micro_batch:  # the logged loss is the last micro-batch's
+        pairs += [(f"training loss of step {step}", mine, theirs)
+                  for step, (mine, theirs) in enumerate(zip(trial.losses, reference.losses), 1)]
+    if not pairs:
+        return None
+    what, loss, default = max(pairs, key=lambda pair: abs(pair[1] - pair[2]) / abs(pair[2]))
+    change = abs(loss - default) / abs(default)
     if change > evidence.loss_tolerance:
-        return Finding("numerics", f"loss {loss:.4f} after the trial vs the default's {reference:.4f} "
+        return Finding("numerics", f"{what} {loss:.4f} vs the default's {default:.4f} "
                                    f"({change:.1%} > {evidence.loss_tolerance:.1%} tolerance)", disqualifies=True)
     return None
 

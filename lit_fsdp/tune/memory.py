@@ -159,8 +159,13 @@ class MemoryFilter:
         self.calibrated_by: int | None = None  # the trial whose measured peak set the overhead
 
     @property
+    def memory_gb(self) -> float:
+        """The device memory one process has."""
+        return self.hardware.memory_per_process_gb(self.run.processes_per_node)
+
+    @property
     def device_budget(self) -> int:
-        return int(self.hardware.memory_per_process_gb(self.run.processes_per_node) * (1 - self.margin) * GIB)
+        return int(self.memory_gb * (1 - self.margin) * GIB)
 
     @property
     def host_budget(self) -> int:

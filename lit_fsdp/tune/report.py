@@ -1,6 +1,7 @@
 """What a search leaves in ``OUT``: ``best.yaml`` (a config overlay ``fit --config`` accepts), ``report.md`` with a table
-of the trials and the rejected candidates, and ``tokens_per_s.png`` (tokens/s per trial, the best so far marked).
-``trials.jsonl`` is appended trial by trial while the search runs (``append_trial``)."""
+of the trials and the rejected candidates, ``tokens_per_s.png`` (tokens/s per trial, the best marked) and
+``summary.json`` (the same outcome for scripts). ``trials.jsonl`` is appended trial by trial while the search runs
+(``append_trial``)."""
 
 from __future__ import annotations
 
@@ -109,13 +110,36 @@ def plot(trials: list[Trial], best: Trial | None, path: Path) -> None:
     plt.close(figure)
 
 
-def write_report(out: Path, result: SearchResult, memory: MemoryFilter, summary: list[str]) -> None:
-    """``report.md`` (the ``summary`` lines, the trials, the rejected candidates, notes) and the plot."""
+def write_summary(out: Path, result: SearchResult, memory: MemoryFilter) -> dict[str, Any]:
+    """``summary.json``: trials run and rejected, why the search stopped, the best against the default, the filter."""
+    ran = [t for t in result.trials if t.index is not None]
+    errors = [e for t in ran if (e := estimate_error(t, memory)) is not None]
+
+    def describe(trial: Trial | None) -> dict[str, Any] | None:
+        if trial is None:
+            return None
+        changes = trial.candidate.changes(result.default.candidate) if result.default else None
+        return {"index": trial.index, "source": trial.source, "tokens_per_s": trial.tokens_per_s, "peak_gb": trial.peak_gb,
+                "knobs": trial.candidate.knobs(), "changes": changes, "findings": trial.findings}
+
+    summary = {
+        "trials_run": len(ran), "rejected": len(result.trials) - len(ran), "stop_reason": result.stop_reason,
+        "default": describe(result.default), "best": describe(result.best), "speedup": speedup(result),
+        "memory": {"calibrated_by": memory.calibrated_by, "overhead_gb": memory.overhead / GIB,
+                   "budget_gb": memory.device_budget / GIB, "estimate_errors": errors},
+        "notes": result.notes,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def write_report(out: Path, result: SearchResult, memory: MemoryFilter, header: list[str]) -> None:
+    """``report.md`` (the ``header`` lines, the trials, the rejected candidates, notes), the plot and ``summary.json``."""
     ran = [t for t in result.trials if t.index is not None]
     rejected = [t for t in result.trials if t.index is None]
     by_memory = sum((t.error or "").startswith("memory filter") for t in rejected)
-    errors = [abs(e) for t in ran if (e := estimate_error(t, memory)) is not None]
-    lines = ["# lit_fsdp tune", "", *summary, ""]
+    errors = [abs(e) for e in write_summary(out, result, memory)["memory"]["estimate_errors"]]
+    lines = ["# lit_fsdp tune", "", *header, ""]
     statuses = ", ".join(f"{sum(t.status == s for t in ran)} {s}" for s in ("ok", "failed", "oom", "timeout")
                          if any(t.status == s for t in ran))
     lines.append(f"{len(ran)} trials run ({statuses}); {len(rejected)} candidates rejected without running "
