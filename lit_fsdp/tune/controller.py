@@ -136,7 +136,7 @@ class Controller:
         return self.record(trial)
 
     def calibrate(self, trial: Trial) -> None:
-        """The micro-batch-1 trial calibrates the memory filter; the default does if that trial failed."""
+        """The first measured trial calibrates the memory filter; the configs' setting at micro-batch 1 does again."""
         memory = self.search.memory
         if trial.peak_gb is None or trial.status != "ok":
             return
@@ -145,11 +145,10 @@ class Controller:
             memory.calibrate(trial.candidate, trial.peak_gb, trial.index)
 
     def update_best(self, trial: Trial) -> None:
-        if not trial.eligible:
-            self.since_gain += 1
-        elif self.best is None or trial.tokens_per_s > self.best.tokens_per_s * (1 + self.budget.min_gain):
+        """A new best needs ``min_gain`` over the last; other trials count towards ``patience`` (not the calibration)."""
+        if trial.eligible and (self.best is None or trial.tokens_per_s > self.best.tokens_per_s * (1 + self.budget.min_gain)):
             self.best, self.since_gain = trial, 0
-        else:
+        elif trial.source != "calibration":
             self.since_gain += 1
 
     # --- proposals ---------------------------------------------------------------------------------
