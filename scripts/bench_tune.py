@@ -4,9 +4,9 @@ For each case: ``python -m lit_fsdp tune`` with the case's configs and arguments
 ``fit`` with the default and with the default + ``best.yaml``, alternated ``--repeats`` times, ``--steps``
 optimizer steps each (same model, data and seed; the first ``--warmup`` steps dropped). The table
 (``OUT/table.md``, records in ``OUT/bench.jsonl``) gives the trials the search ran and the one that won
-(the trials it took), the winner's changes, tokens/s of the default and of best.yaml (mean of the repeats),
-the speed-up, the memory estimate's mean error on the measured trials, and the judge's first finding on
-the default and on the best.
+(the trials it took), the winner's changes, tokens/s of the default and of best.yaml (median of the repeats,
+their range in brackets), the speed-up of the medians, the speed-up the search itself saw, the memory
+estimate's mean error on the measured trials, and the judge's first finding on the default and on the best.
 
     python scripts/bench_tune.py                                  # the CPU cases, 2 processes
     python scripts/bench_tune.py --cases gpu-gpt2-124m gpu-llama-1b  # one GPU
@@ -109,17 +109,20 @@ def bench(case: str, args: argparse.Namespace) -> dict[str, Any]:
             tokens = measure(case, extra, args, folder / f"{name}-{repeat}")
             if tokens is not None:
                 speeds[name].append(tokens)
-    row["default_tokens_per_s"] = statistics.fmean(speeds["default"]) if speeds["default"] else None
-    row["best_tokens_per_s"] = statistics.fmean(speeds["best"]) if speeds["best"] else None
+    for name, values in speeds.items():  # the median: one run slowed by another job on the machine moves it least
+        row[f"{name}_tokens_per_s"] = statistics.median(values) if values else None
+        row[f"{name}_range"] = f"{min(values):,.0f}-{max(values):,.0f}" if len(values) > 1 else None
     row["runs"] = speeds
     if row["default_tokens_per_s"] and row["best_tokens_per_s"]:
         row["speedup"] = row["best_tokens_per_s"] / row["default_tokens_per_s"]
     return row
 
 
-def cell(value: Any, unit: str = "") -> str:
+def cell(value: Any, unit: str = "", spread: str | None = None) -> str:
     if value is None:
         return "—"
+    if spread:
+        return f"{cell(value)} ({spread})"
     if unit == "x":
         return f"{value:.2f}x"
     if unit == "%":
@@ -131,12 +134,13 @@ def cell(value: Any, unit: str = "") -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     columns = [("case", "case", ""), ("trials run", "trials", ""), ("best trial", "best_trial", ""),
-               ("best's changes", "changes", ""), ("default tokens/s", "default_tokens_per_s", ""),
-               ("best.yaml tokens/s", "best_tokens_per_s", ""), ("speed-up", "speedup", "x"),
+               ("best's changes", "changes", ""), ("default tokens/s", "default_tokens_per_s", "range"),
+               ("best.yaml tokens/s", "best_tokens_per_s", "range"), ("speed-up", "speedup", "x"),
                ("in the search", "search_speedup", "x"), ("estimate error", "estimate_error", "%"), ("tune s", "tune_s", ""),
                ("judge on the default", "default_finding", ""), ("judge on the best", "best_finding", "")]
     lines = ["| " + " | ".join(title for title, _, _ in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row.get(key), unit) for _, key, unit in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(cell(row.get(key), unit, row.get(key.replace("tokens_per_s", "range")) if unit == "range" else None)
+                                for _, key, unit in columns) + " |" for row in rows]
     lines += ["", *(f"- **{row['case']}**: the default is {row['default']}." for row in rows)]
     return "\n".join(lines)
 

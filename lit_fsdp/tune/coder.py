@@ -1,6 +1,7 @@
 """The Coder: candidates that address the Judge's findings, as moves of one knob from the best trial so far.
 
-For each finding, in the Judge's order, the moves that relieve it:
+For each finding the moves that relieve it, most promising first; the proposals take the findings in
+turns (each finding's first move, in the Judge's order, then each one's second, ...):
 
 - ``communication``: prefetch more units, larger units, keep parameters gathered (SHARD_GRAD_OP,
   NO_SHARD), hybrid sharding across nodes, a bigger micro-batch (fewer all-gathers per sample), a
@@ -145,17 +146,19 @@ class Coder:
     # --- proposals -------------------------------------------------------------------------------
 
     def propose(self, findings: list[Finding], base: Candidate) -> list[Proposal]:
-        """Candidates one move from ``base`` for each finding, most pressing finding first, without repeats."""
+        """Candidates one move from ``base``: the findings' first moves (most pressing first), then their second, ..."""
         moves: dict[str, Callable[[Candidate], list[Move]]] = {
             "communication": self.communication, "memory_pressure": self.memory_pressure,
             "memory_headroom": self.memory_headroom, "host_overhead": self.host_overhead, "compute": self.compute,
             "offload": self.offload, "numerics": self.numerics, "failure": self.failure,
         }
+        per_finding = [[(finding, move) for move in moves[finding.kind](base)
+                        if move and all(value in self.allowed[name] for name, value in move.items())] for finding in findings]
         proposals: dict[str, Proposal] = {}
-        for finding in findings:
-            for move in moves[finding.kind](base):
-                if not move or any(value not in self.allowed[name] for name, value in move.items()):
-                    continue
+        # In turns: each finding's best move before any finding's second, so that one finding's list does not
+        # use up the trials (a new best re-plans anyway).
+        for turn in range(max(map(len, per_finding), default=0)):
+            for finding, move in (moves_of[turn] for moves_of in per_finding if turn < len(moves_of)):
                 candidate = base.with_knobs(move)
                 change = ", ".join(f"{name} {getattr(base, name)} -> {value}" for name, value in move.items())
                 proposals.setdefault(candidate.key(), Proposal(candidate, f"rules: {finding.kind}: {change}"))
