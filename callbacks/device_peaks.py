@@ -42,10 +42,12 @@ def matmul_format(dtype: torch.dtype) -> str:
     return _FORMATS[dtype]
 
 
+def device_peaks(device_name: str) -> dict[str, float]:
+    """The table's row for ``device_name``: dense peak TFLOPS by matmul format; empty if the table does not know it."""
+    name = device_name.lower()
+    return next((dict(peaks) for key, peaks in PEAK_TFLOPS if key in name), {})
+
+
 def peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     """Dense peak TFLOPS of one ``device_name`` GPU for matmuls in ``dtype``; None if the table does not know it."""
-    name = device_name.lower()
-    for key, peaks in PEAK_TFLOPS:
-        if key in name:
-            return peaks.get(matmul_format(dtype))
-    return None
+    return device_peaks(device_name).get(matmul_format(dtype))

@@ -72,6 +72,7 @@ class Results(pl.Callback):
             "batch_size": getattr(datamodule, "batch_size", None),
             "compress_method": method,
             "compress_config": None if compression is None else vars(compression),
+            "strategy": getattr(trainer.strategy, "label", type(trainer.strategy).__name__),  # ddp, fsdp2, slide_fsdp, ...
             "seed": int(os.environ["PL_GLOBAL_SEED"]) if "PL_GLOBAL_SEED" in os.environ else None,  # seed_everything
             "steps": trainer.global_step,
             "train_loss": logged(trainer, "train/loss"),

@@ -1,4 +1,5 @@
-"""Entry point: ``python -m lit_fsdp`` (or ``lit-fsdp``) with fit/validate/test/predict, export, generate, evaluate or compressors."""
+"""Entry point: ``python -m lit_fsdp`` (or ``lit-fsdp``) with fit/validate/test/predict, tune, export, generate, evaluate,
+hardware or compressors."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ SINGLE_PROCESS_COMMANDS = {
     "export": "lit_fsdp.export:export_hf",
     "generate": "lit_fsdp.generate:generate",
     "evaluate": "lit_fsdp.evaluate:evaluate",
+    "hardware": "lit_fsdp.tune.hardware:hardware",
 }
 
 
@@ -24,6 +26,10 @@ def main(argv: list[str] | None = None) -> None:
             from compress.config import describe_methods
 
             print(describe_methods())
+        elif args[:1] == ["tune"]:
+            from lit_fsdp.tune.command import main as tune
+
+            tune(args[1:])
         elif args[:1] and args[0] in SINGLE_PROCESS_COMMANDS:
             from importlib import import_module
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -13,6 +14,7 @@ from callbacks.run_folder import compression_method, run_name
 import offload  # noqa: F401  (registers the slide_fsdp strategy name)
 from lit_fsdp import checkpoints
 from lit_fsdp.data.blocks import BlockDataModule, check_same_global_batch
+from lit_fsdp.ddp import DDPStrategy
 from lit_fsdp.errors import PeerLostError, lost_peer
 from lit_fsdp.model import CausalLM
 from lit_fsdp.strategy import CausalLMStrategy
@@ -38,11 +40,11 @@ class LitFsdpCLI(LightningCLI):
 
     def _preflight(self) -> None:
         strategy = self.trainer.strategy
-        if not isinstance(strategy, CausalLMStrategy):
+        if not isinstance(strategy, (CausalLMStrategy, DDPStrategy)):
             raise ValueError(
                 f"--trainer.strategy is {type(strategy).__name__}; lit_fsdp models are built on the meta device "
-                "and need lit_fsdp.strategy.FSDP2Strategy (the default) or offload.SlideFSDPStrategy: remove the "
-                "--trainer.strategy override"
+                "and need lit_fsdp.strategy.FSDP2Strategy (the default), offload.SlideFSDPStrategy or "
+                "lit_fsdp.ddp.DDPStrategy (whole model on each rank): remove the --trainer.strategy override"
             )
         strategy.preflight(self.trainer, self.model)
         positions = getattr(self.model.hf_config(), "max_position_embeddings", None)
@@ -95,7 +97,8 @@ class LitFsdpCLI(LightningCLI):
             raise PeerLostError(line) from error
 
 
-def run(args: list[str] | None = None) -> LitFsdpCLI:
+def run(args: list[str] | None = None, **cli_options: Any) -> LitFsdpCLI:
+    """The CLI on ``args``; ``run=False`` parses them into a trainer, model and data without a subcommand (``tune`` does)."""
     return LitFsdpCLI(
         CausalLM,
         BlockDataModule,
@@ -105,4 +108,5 @@ def run(args: list[str] | None = None) -> LitFsdpCLI:
         save_config_callback=SaveConfig,
         save_config_kwargs={"overwrite": True},
         args=args,
+        **cli_options,
     )

@@ -62,15 +62,17 @@ class CausalLM(pl.LightningModule):
 
     # --- model -----------------------------------------------------------------------------------
 
-    def hf_config(self) -> PretrainedConfig:
-        """The Hugging Face config this module builds, with the data's vocabulary size when it has one."""
+    def hf_config(self, datamodule: Any = None) -> PretrainedConfig:
+        """The Hugging Face config this module builds, with the vocabulary size of the data (``datamodule``, default
+        the trainer's) when it has one."""
         hp = self.hparams
         if hp.pretrained_path is not None:
             config = AutoConfig.from_pretrained(hp.pretrained_path, local_files_only=True)
             for key, value in (hp.config_overrides or {}).items():
                 setattr(config, key, value)
             return config
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is None and self._trainer is not None:
+            datamodule = getattr(self._trainer, "datamodule", None)
         overrides = {}
         if getattr(datamodule, "vocab_size", None):
             # The preset's special token ids belong to its own vocabulary: take the data's (or none).

@@ -8,7 +8,6 @@ full file. ``offload.SlideFSDPStrategy`` is the other strategy built on ``Causal
 
 from __future__ import annotations
 
-import uuid
 from abc import abstractmethod
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -24,26 +23,37 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from compress.config import CompressionConfig
 from compress.hook import GradientCompression
-from lit_fsdp import checkpoints
-from lit_fsdp.errors import RunError
 from lit_fsdp.parallelize import ShardingPlan, parallelize
+from lit_fsdp.reliability import AtomicCheckpoints, NonFiniteGuard, OnNonFinite
 from lit_fsdp.weights import materialize
 
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-OnNonFinite = Literal["stop", "skip_step", "warn"]
 _HOOK_STATE = "comm_hook."  # checkpoint keys of each rank's compression state: comm_hook.rank<r>/<key>
 
 
-class NonFiniteError(RunError):
-    """A non-finite loss or gradient stopped the run (``on_nonfinite: stop``)."""
+def resolve_dtype(name: DType, device: torch.device, fallback: torch.dtype | None = None) -> torch.dtype:
+    """The dtype a strategy's ``param_dtype``/``reduce_dtype`` names; ``auto`` is ``fallback``, else bfloat16 on GPUs with it, else float32."""
+    if name == "auto":
+        if fallback is not None:
+            return fallback
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    return getattr(torch, name)
+
+
+def check_precision(trainer: pl.Trainer, strategy: Any) -> None:
+    """lit_fsdp's strategies set the compute dtype with ``param_dtype``; the trainer's precision must stay 32-true."""
+    if trainer.precision not in ("32-true", "32"):
+        raise ValueError(
+            f"--trainer.precision {trainer.precision} is not used by {type(strategy).__name__}; leave it at 32-true and "
+            "set --trainer.strategy.init_args.param_dtype bfloat16 instead"
+        )
 
 
 @runtime_checkable
@@ -58,16 +68,13 @@ class GradientCommHook(Protocol):
         """Install the hook on one FSDP module (``set_custom_reduce_scatter``, all-reduce hooks, ...)."""
 
 
-class CausalLMStrategy(ModelParallelStrategy):
+class CausalLMStrategy(NonFiniteGuard, AtomicCheckpoints, ModelParallelStrategy):
     """The life cycle of a lit_fsdp strategy: process group and mesh, checks, placing the network, optimizers.
 
     A subclass says what its mesh is (``mesh_shape``), how it places ``LightningModule.model`` on the
-    devices (``place``) and whether that already happened (``is_placed``), and where its gradients are
-    (``clip_gradients``, ``drop_gradients``).
-
-    Every checkpoint is written aside and renamed into place with a manifest (``lit_fsdp.checkpoints``),
-    and every optimizer step is guarded: a non-finite loss or gradient stops the run, skips the step on
-    every rank, or is only reported (``on_nonfinite``).
+    devices (``place``) and whether that already happened (``is_placed``). From ``lit_fsdp.reliability``
+    every step is guarded against non-finite values (``on_nonfinite``) and every checkpoint is written
+    aside and renamed into place after its manifest.
     """
 
     strategy_name = ""
@@ -97,8 +104,6 @@ class CausalLMStrategy(ModelParallelStrategy):
         self.reduce_dtype = reduce_dtype
         self.activation_checkpointing = activation_checkpointing
         self.on_nonfinite = on_nonfinite
-        self.nonfinite_steps = 0  # optimizer steps with a non-finite loss or gradient, this run
-        self._loss_finite: torch.Tensor | None = None
 
     # --- before any worker starts ------------------------------------------------------------------
 
@@ -131,12 +136,7 @@ class CausalLMStrategy(ModelParallelStrategy):
     # --- model -----------------------------------------------------------------------------------
 
     def resolve_dtype(self, name: DType, fallback: torch.dtype | None = None) -> torch.dtype:
-        if name == "auto":
-            if fallback is not None:
-                return fallback
-            cuda_bf16 = self.root_device.type == "cuda" and torch.cuda.is_bf16_supported()
-            return torch.bfloat16 if cuda_bf16 else torch.float32
-        return getattr(torch, name)
+        return resolve_dtype(name, self.root_device, fallback)
 
     @abstractmethod
     def is_placed(self, network: torch.nn.Module) -> bool:
@@ -160,11 +160,7 @@ class CausalLMStrategy(ModelParallelStrategy):
                 f"{type(self).__name__} places `LightningModule.model` and fills it with "
                 "`LightningModule.initialize_weights(blocks)`; lit_fsdp.CausalLM provides both"
             )
-        if trainer.precision not in ("32-true", "32"):
-            raise ValueError(
-                f"--trainer.precision {trainer.precision} is not used by {type(self).__name__}; leave it at 32-true and "
-                "set --trainer.strategy.init_args.param_dtype bfloat16 instead"
-            )
+        check_precision(trainer, self)
         if not self.is_placed(network):
             self.place(network, module)
         self.move_module(module)
@@ -173,95 +169,10 @@ class CausalLMStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    # --- the optimizer step's guard ----------------------------------------------------------------
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
-        loss = output.get("loss") if isinstance(output, dict) else output
-        if isinstance(loss, torch.Tensor):  # kept on the device: read once per optimizer step, in the guard
-            finite = torch.isfinite(loss.detach()).all()
-            self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-        return output
-
-    @abstractmethod
-    def clip_gradients(self, max_norm: float | None) -> torch.Tensor | None:
-        """The global norm of this step's gradients (None where it is not computed), clipped to ``max_norm`` if set."""
-
-    @abstractmethod
-    def drop_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Forget this step's gradients on every rank, so that the optimizer step changes nothing."""
-
-    def nonfinite_values(self) -> int:
-        """Gradient values found non-finite on the way since the last step (compression, host updates)."""
-        return 0
-
-    def clip_and_guard(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
-        """Clip, then stop, skip or report the step if its loss or gradients are not finite (``on_nonfinite``).
-
-        Every rank takes the same decision (one all-reduce of a flag), so a skipped step is skipped everywhere.
-        Returns the gradient norm before clipping (None where the strategy does not compute it).
-        """
-        norm = self.clip_gradients(max_norm)
-        bad = self.nonfinite_values() > 0
-        if self._loss_finite is not None:
-            bad |= not bool(self._loss_finite)
-        if norm is not None:
-            bad |= not bool(torch.isfinite(norm))
-        self._loss_finite = None
-        if not self.reduce_boolean_decision(bad, all=False):
-            return norm
-        self.nonfinite_steps += 1
-        step = self.lightning_module.trainer.global_step + 1
-        what = f"a non-finite loss or gradient at optimizer step {step} (gradient norm {'not computed' if norm is None else float(norm)})"
-        if self.on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"{what}; no update and no checkpoint were made from it: lower --model.learning_rate, or set "
-                "--trainer.strategy.init_args.on_nonfinite skip_step to skip such steps"
-            )
-        if self.on_nonfinite == "skip_step":
-            self.drop_gradients(optimizer)
-            rank_zero_warn(f"{what}: step skipped on every rank ({self.nonfinite_steps} so far)")
-        else:
-            rank_zero_warn(f"{what}: applied anyway (on_nonfinite: warn; {self.nonfinite_steps} so far)")
-        return norm
-
-    # --- checkpoints -----------------------------------------------------------------------------
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write aside, add the manifest, rename into place (``lit_fsdp.checkpoints``); a failure is one line and
-        leaves the previous checkpoint as it was."""
-        trainer = self.lightning_module.trainer
-        path = Path(self.broadcast(str(filepath)))
-        partial = checkpoints.partial_path(path, self.broadcast(f"{trainer.global_step}-{uuid.uuid4().hex[:8]}"))
-        manifest = checkpoints.manifest_for(trainer)
-        if not self._save_distributed_checkpoint:
-            checkpoint[checkpoints.MANIFEST_KEY] = {**manifest, "layout": "full"}
-        failure: checkpoints.CheckpointError | None = None
-        try:
-            super().save_checkpoint(checkpoint, partial, storage_options)
-        except (Exception, CheckpointException) as error:  # every rank must reach the decision below
-            failure = checkpoints.write_error(path, error)  # diagnosed now, while the partial files still fill the disk
-        if self.reduce_boolean_decision(failure is None, all=True):
-            if self.is_global_zero:
-                try:
-                    checkpoints.publish(partial, path, {**manifest, "layout": "sharded"})
-                except OSError as error:
-                    failure = checkpoints.write_error(path, error)
-            if self.broadcast(failure is None):
-                return
-        if self.is_global_zero:
-            checkpoints.remove(partial)
-        raise failure or checkpoints.write_error(path, RuntimeError("another rank could not write its part"))
-
-    def verify_checkpoint(self, path: Path) -> None:
-        """Refuse a checkpoint without a complete manifest (the CLI checks before starting; this guards the API)."""
-        found = checkpoints.inspect(path)
-        if found.problem is not None:
-            raise checkpoints.CheckpointError(f"checkpoint {path} cannot be loaded: {found.problem}")
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self.verify_checkpoint(Path(self.broadcast(str(checkpoint_path))))
-        return super().load_checkpoint(checkpoint_path, weights_only)
+    @property
+    def label(self) -> str:
+        """The strategy's name in results records and sweeps (``slide_fsdp``; FSDP2 adds its sharding mode)."""
+        return self.strategy_name
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -343,6 +254,11 @@ class FSDP2Strategy(CausalLMStrategy):
         self.fsdp_modules: list[FSDPModule] = []
         self._nonfinite_seen = 0
 
+    @property
+    def label(self) -> str:
+        """``fsdp2`` for FULL_SHARD, ``fsdp2_shard_grad_op``, ``fsdp2_no_shard`` or ``fsdp2_hybrid_shard`` otherwise."""
+        return "fsdp2" if self.sharding == "FULL_SHARD" else f"fsdp2_{self.sharding.lower()}"
+
     # --- mesh ------------------------------------------------------------------------------------
 
     def mesh_shape(self, world_size: int, num_nodes: int) -> tuple[int, ...]:
@@ -410,19 +326,6 @@ class FSDP2Strategy(CausalLMStrategy):
         super().setup_optimizers(trainer)
         if not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def clip_gradients(self, max_norm: float | None) -> torch.Tensor:
-        """The global norm of the sharded gradients (a DTensor reduction across ranks), clipped if ``max_norm``."""
-        params = [p for p in self.lightning_module.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
-
-    def drop_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)  # AdamW leaves parameters without a gradient untouched
 
     def nonfinite_values(self) -> int:
         """Non-finite values the compression hooks replaced by zeros since the last step (they count, we compare)."""

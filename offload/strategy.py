@@ -28,7 +28,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lit_fsdp.parallelize import find_blocks
-from lit_fsdp.strategy import CausalLMStrategy, DType, OnNonFinite
+from lit_fsdp.reliability import OnNonFinite
+from lit_fsdp.strategy import CausalLMStrategy, DType
 from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, SlideEngine
 from offload.gradients import GradientPipeline

@@ -5,11 +5,14 @@ read (a run's loss curve from the sibling ``history.jsonl``, written by ``callba
 ``sweep.jsonl`` adds the runs that failed. With ``--wandb ENTITY/PROJECT`` the runs come from W&B instead
 (online only). Runs are grouped by compression method and world size; each figure is the mean ± sd
 across seeds, and its change against the baseline method at the same world size in %, paired by seed
-where both ran it. Writes ``OUT/comparison.md``, ``OUT/comparison.csv`` and ``loss_vs_step.png``,
-``loss_vs_wall.png``, ``tokens_per_s.png``, ``comm_share.png``, ``ratio_vs_ppl.png``.
+where both ran it. Runs made under several strategies (``sweep.py --strategies``) are labelled by
+strategy too (``ddp``, ``fsdp2``, ``fsdp2 int8``, ...), so ``--baseline ddp`` compares with DDP. Writes
+``OUT/comparison.md``, ``OUT/comparison.csv`` and ``loss_vs_step.png``, ``loss_vs_wall.png``,
+``tokens_per_s.png``, ``comm_share.png``, ``ratio_vs_ppl.png``.
 
     python scripts/compare_runs.py runs/sweep                   # -> runs/sweep/comparison/
     python scripts/compare_runs.py runs/a runs/b --baseline none --out runs/ab
+    python scripts/compare_runs.py runs/strategies --baseline ddp
     python scripts/compare_runs.py --wandb my-team/lit_fsdp --out runs/wandb_comparison
 """
 
@@ -37,6 +40,7 @@ METRICS = {
     "val_loss": "val loss", "val_ppl": "val ppl", "step_time_ms_mean": "step ms", "step_time_ms_p50": "step ms p50",
     "step_time_ms_p90": "step ms p90", "tokens_per_s": "tokens/s", "comm_ratio": "comm share",
     "comm_time_ms_total": "comm ms/step", "compression_ratio": "ratio vs fp32", "time_to_target_s": "time to target s",
+    "peak_allocated_gb": "GPU peak GB", "peak_rss_gb": "host RSS GB",
 }
 # Names the trainer logs under, for W&B runs whose summary lacks the results record.
 LOGGED = {"train/loss": "train_loss", "val/loss": "val_loss", "val/ppl": "val_ppl", "compress/ratio_vs_fp32": "compression_ratio"}
@@ -97,7 +101,7 @@ def load_local(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], list[str]]:
     for line in failed.values():
         records.append({
             "run_name": line.get("run_name"), "compress_method": line.get("compress_method") or line.get("method"),
-            "world_size": line.get("world_size"), "seed": line.get("seed"), "status": "failed",
+            "strategy": line.get("strategy"), "world_size": line.get("world_size"), "seed": line.get("seed"), "status": "failed",
             "error": line.get("error"), "history": [],
         })
     return records, notes
@@ -149,7 +153,8 @@ def load_wandb(project: str, timeout_s: float) -> list[dict[str, Any]]:
 
 
 def label_methods(records: list[dict[str, Any]]) -> None:
-    """Sets ``method``: the compression method, with the parameters that tell its configs apart when several ran."""
+    """Sets ``method``: the compression method, with the parameters that tell its configs apart when several ran,
+    after the strategy when the runs used several (``ddp``, ``fsdp2``, ``fsdp2 int8``)."""
     configs: dict[str, dict[str, dict]] = {}
     for record in records:
         if record.get("compress_config"):  # failed runs have none: they keep the bare method name
@@ -161,6 +166,10 @@ def label_methods(records: list[dict[str, Any]]) -> None:
         keys = sorted({k for v in variants for k in v if len({json.dumps(w.get(k)) for w in variants}) > 1})
         extra = " ".join(f"{k}={config[k]}" for k in keys if config.get(k) is not None)
         record["method"] = f"{record['compress_method']} {extra}".strip()
+    if len({record["strategy"] for record in records if record.get("strategy")}) > 1:
+        for record in (r for r in records if r.get("strategy")):  # records from before the field keep the method
+            strategy = record["strategy"]
+            record["method"] = strategy if record["method"] == "none" else f"{strategy} {record['method']}"
 
 
 def stats(values: list[float]) -> tuple[float | None, float | None]:

@@ -1,4 +1,4 @@
-"""Methods x seeds x world sizes, one ``python -m lit_fsdp fit`` subprocess each; every run recorded, failures too.
+"""Methods x strategies x seeds x world sizes, one ``python -m lit_fsdp fit`` subprocess each; every run recorded, failures too.
 
 Each run trains in ``OUT/<method>-w<world>-s<seed>/``, its ``default_root_dir``: ``results.jsonl``,
 ``history.jsonl``, ``throughput.json``, ``compression.json``, ``stdout.log`` and ``stderr.log`` land
@@ -12,61 +12,39 @@ unless ``--trainer.logger`` says otherwise. Each run appends a line to
 ``OUT/sweep.jsonl``: status ok or failed, return code, last error line, wall time, command. A failed run
 does not stop the sweep. Compare the runs with ``python scripts/compare_runs.py OUT``.
 
+``--strategies`` runs the same model and data under several strategies (``ddp``: the whole model on each
+rank, each FSDP2 sharding mode, ``slide_fsdp``); without ``--methods`` they run on the base configs alone,
+in ``OUT/<strategy>-w<world>-s<seed>/``. Compare them with ``compare_runs.py OUT --baseline ddp``.
+
     python scripts/sweep.py --methods baseline int8 topk --seeds 1234 1235 --world-sizes 2 --trainer.max_steps 200
+    python scripts/sweep.py --strategies ddp fsdp2 fsdp2_shard_grad_op fsdp2_no_shard slide_fsdp --trainer.max_steps 50
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, get_args
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lit_fsdp.launch import launch  # noqa: E402  (bench scripts import it from here too)
+from lit_fsdp.strategy import FSDP2Strategy, Sharding  # noqa: E402
+
 METHODS = [p.stem for p in sorted(REPO.glob("configs/*.yaml")) if "compression:" in p.read_text()]
-# Before the caller's arguments, so they can be overridden: a CSV log in the run folder, no progress bar in the log.
-LAUNCH_DEFAULTS = ("--trainer.enable_progress_bar", "false", "--trainer.logger", "lightning.pytorch.loggers.CSVLogger")
-
-
-def launch(configs: Sequence[Path], args: Sequence[str], out: Path, timeout_s: float | None = None) -> dict[str, Any]:
-    """``python -m lit_fsdp fit --config C ... ARGS`` with run folder ``out``; its outcome, never an exception.
-
-    The run's stdout and stderr go to ``out/stdout.log`` and ``out/stderr.log``. Returns ``status`` (ok or
-    failed), ``returncode``, ``error`` (last line of stderr on failure), ``wall_s`` and the ``command``.
-    After ``timeout_s`` the run and every process it started (its ranks) are killed.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "lit_fsdp", "fit", *(arg for config in configs for arg in ("--config", str(config))),
-        *LAUNCH_DEFAULTS, "--trainer.logger.save_dir", str(out), *args, "--trainer.default_root_dir", str(out),
-    ]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    start = time.perf_counter()
-    with open(out / "stdout.log", "w") as stdout, open(out / "stderr.log", "w") as stderr:
-        # Its own session: the ranks Lightning spawns share its process group, so a timeout can end them all.
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
-        try:
-            returncode = process.wait(timeout=timeout_s)
-            error = None
-        except (subprocess.TimeoutExpired, KeyboardInterrupt) as interrupted:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            if isinstance(interrupted, KeyboardInterrupt):
-                raise
-            returncode, error = process.returncode, f"timed out after {timeout_s:g} s"
-    wall_s = time.perf_counter() - start
-    if returncode != 0 and error is None:
-        lines = [line for line in (out / "stderr.log").read_text(errors="replace").splitlines() if line.strip()]
-        error = lines[-1].strip() if lines else f"exit code {returncode}, nothing on stderr"
-    return {"status": "ok" if returncode == 0 else "failed", "returncode": returncode, "error": error,
-            "wall_s": wall_s, "command": command}
+# --strategies: named as the results records name them (the strategy's ``label``).
+STRATEGIES = {
+    "ddp": {"class_path": "lit_fsdp.ddp.DDPStrategy"},
+    **{FSDP2Strategy(sharding=mode).label: {"class_path": "lit_fsdp.strategy.FSDP2Strategy", "init_args": {"sharding": mode}}
+       for mode in get_args(Sharding)},
+    "slide_fsdp": {"class_path": "offload.SlideFSDPStrategy"},
+}
 
 
 def _last(configs: Sequence[Path], *keys: str) -> Any:
@@ -101,14 +79,17 @@ def method_config(method: str) -> Path:
     return Path(method) if method.endswith((".yaml", ".yml")) else REPO / "configs" / f"{method}.yaml"
 
 
-def run_one(method: str, world: int, seed: int, base: Sequence[Path], passthrough: Sequence[str],
-            quality: dict[str, float], out: Path, timeout_s: float | None) -> dict[str, Any]:
-    """One run of the sweep in ``out/<method>-w<world>-s<seed>``; its ``sweep.jsonl`` record."""
-    folder = f"{Path(method).stem}-w{world}-s{seed}"
+def run_one(method: str | None, world: int, seed: int, base: Sequence[Path], passthrough: Sequence[str],
+            quality: dict[str, float], out: Path, timeout_s: float | None, strategy: str | None = None) -> dict[str, Any]:
+    """One run of the sweep in ``out/<method>[-<strategy>]-w<world>-s<seed>``; its ``sweep.jsonl`` record.
+
+    Without ``method`` the run has the base configs only; ``strategy`` (a key of ``STRATEGIES``) replaces theirs.
+    """
+    folder = "-".join([*([Path(method).stem] if method else []), *([strategy] if strategy else []), f"w{world}", f"s{seed}"])
     name = f"{folder}-{time.strftime('%Y%m%d-%H%M%S')}"  # the form of run_folder.run_name's default
-    record: dict[str, Any] = {"method": Path(method).stem, "world_size": world, "seed": seed, "run_name": name,
-                              "folder": folder, "compress_method": None}
-    configs = [*base, method_config(method).resolve()]
+    record: dict[str, Any] = {"method": Path(method).stem if method else strategy, "strategy": strategy, "world_size": world,
+                              "seed": seed, "run_name": name, "folder": folder, "compress_method": None}
+    configs = [*base, *([method_config(method).resolve()] if method else [])]
     failed = {"status": "failed", "returncode": None, "wall_s": 0.0, "command": None}
     if not configs[-1].is_file():
         return {**record, **failed, "error": f"{configs[-1]} not found; methods: {' '.join(METHODS)} or a YAML path"}
@@ -119,6 +100,8 @@ def run_one(method: str, world: int, seed: int, base: Sequence[Path], passthroug
         return {**record, **failed, "error": f"{configs[-1]}: not a lit_fsdp config ({error}); fix the YAML"}
     record["compress_method"] = compression.get("method", "none")
     args = ["--seed_everything", str(seed), "--trainer.devices", str(world), "--trainer.callbacks", json.dumps(callbacks)]
+    if strategy:
+        args += ["--trainer.strategy", json.dumps(STRATEGIES[strategy])]
     return {**record, **launch(configs, [*args, *passthrough], out / folder, timeout_s)}
 
 
@@ -127,7 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], allow_abbrev=False,
         epilog="Unknown arguments go to every `lit_fsdp fit`, e.g. --trainer.max_steps 100 --data.batch_size 4.",
     )
-    parser.add_argument("--methods", nargs="+", default=METHODS, help=f"config names in configs/ or YAML paths (default: all: {' '.join(METHODS)})")
+    parser.add_argument("--methods", nargs="+", help=f"config names in configs/ or YAML paths (default: all: {' '.join(METHODS)}; "
+                        "none with --strategies)")
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), help="run each under these strategies "
+                        "(the model materialised whole on each rank for ddp)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1234], help="--seed_everything values")
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2], help="--trainer.devices values (one node)")
     parser.add_argument("--config", type=Path, action="append", help="base config before the method's, repeatable (default: configs/quickstart.yaml)")
@@ -143,17 +129,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--config {path} not found; pass an existing YAML file")
     quality = {k: v for k, v in (("target_val_loss", args.target_val_loss), ("time_budget_s", args.time_budget_s)) if v is not None}
     args.out.mkdir(parents=True, exist_ok=True)
+    methods = args.methods or ([None] if args.strategies else METHODS)
+    strategies = args.strategies or [None]
     failed = 0
-    for method in args.methods:
-        for world in args.world_sizes:
-            for seed in args.seeds:
-                record = run_one(method, world, seed, base, passthrough, quality, args.out, args.timeout_s)
-                failed += record["status"] == "failed"
-                with open(args.out / "sweep.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                status = record["status"] if record["status"] == "ok" else f"failed: {record['error']}"
-                print(f"{record['folder']}: {status} ({record['wall_s']:.0f} s)", flush=True)
-    print(f"{failed} of {len(args.methods) * len(args.seeds) * len(args.world_sizes)} runs failed; "
+    for method in methods:
+        for strategy in strategies:
+            for world in args.world_sizes:
+                for seed in args.seeds:
+                    record = run_one(method, world, seed, base, passthrough, quality, args.out, args.timeout_s, strategy)
+                    failed += record["status"] == "failed"
+                    with open(args.out / "sweep.jsonl", "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    status = record["status"] if record["status"] == "ok" else f"failed: {record['error']}"
+                    print(f"{record['folder']}: {status} ({record['wall_s']:.0f} s)", flush=True)
+    print(f"{failed} of {len(methods) * len(strategies) * len(args.seeds) * len(args.world_sizes)} runs failed; "
           f"records in {args.out / 'sweep.jsonl'}")
     return 1 if failed else 0
 

@@ -1,0 +1,194 @@
+"""The memory filter: an analytic estimate of one process's device memory (and a node's host memory) per candidate.
+
+Per process on its device, in bytes (P parameters, Pb in the largest block, Pr outside the blocks, L
+blocks, hidden h, MLP width i, vocabulary V, micro-batch m, sequence s, p bytes per compute value,
+r = 4 bytes per reduced gradient value):
+
+- **model states** (FSDP2): fp32 weights, fp32 gradients and the two AdamW moments, 16 x P, divided by
+  the shard group (the world for FULL_SHARD and SHARD_GRAD_OP, world / replicas for HYBRID_SHARD, 1
+  for NO_SHARD); on the host instead with ``cpu_offload``. SlideFSDP keeps them on the host.
+- **working set**: the unsharded weights in p bytes: the root (kept gathered from forward to
+  backward), and the gathered units: 1 + max(prefetch, 1) units of ``blocks_per_group`` blocks when
+  units are resharded after forward (FULL_SHARD, HYBRID_SHARD), every block otherwise; plus a unit's
+  and the root's unsharded gradients and their reduce buffers, (p + r) each. SlideFSDP: ``window``
+  blocks and the root in p bytes, the root's gradients and two blocks of gradients in r bytes.
+- **activations**: per block (8h + 2i) x m x s values (8h + 4i for gated MLPs: Llama), the tensors
+  autograd keeps (Korthikanti et al. 2022 without dropout masks; attention's s x s scores are not
+  kept by SDPA); a checkpointed block keeps only its input (h x m x s) and one block's activations
+  come back during its recompute; SlideFSDP's ``activation_offload`` moves the kept inputs to the host.
+- **logits**: m x s x V x (p + 8): the logits, their float32 copy and the log-softmax.
+- **overhead**: a constant calibrated from one measured trial (CUDA context, allocator caches; on a
+  CPU the whole process: interpreter, libraries, data): measured peak minus the analytic sum.
+
+Per node on the host: SlideFSDP's 14-18 bytes per parameter (``offload.strategy.host_bytes_per_parameter``)
+and offloaded activations, or FSDP2's 16 x P / shard group per process with ``cpu_offload``. On a CPU
+the device is the host, so a process's estimate also carries its share of the node's host bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from lit_fsdp.flops import matmul_shape
+from lit_fsdp.parallelize import find_blocks
+from lit_fsdp.tune.hardware import Hardware
+from lit_fsdp.tune.space import Candidate, RunShape
+from offload.strategy import host_bytes_per_parameter
+
+GIB = 2**30
+ADAM_STATE_BYTES = 16  # fp32 weight, gradient and two moments per parameter
+REDUCE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the estimate needs, counted on a model built on the meta device."""
+
+    parameters: int
+    block_parameters: int  # the largest block
+    root_parameters: int  # outside the blocks: embeddings, final norm, an untied head
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool
+
+    @classmethod
+    def of(cls, config: PretrainedConfig, block_class: str | None = None) -> ModelShape:
+        with torch.device("meta"):
+            network = AutoModelForCausalLM.from_config(config)
+        blocks = find_blocks(network, block_class)
+        unique = {id(p): p.numel() for p in network.parameters()}  # a tied head counts once
+        in_blocks = [sum(p.numel() for p in block.parameters()) for _, block in blocks]
+        hidden = config.hidden_size
+        return cls(
+            parameters=sum(unique.values()), block_parameters=max(in_blocks), root_parameters=sum(unique.values()) - sum(in_blocks),
+            layers=len(blocks), hidden=hidden, intermediate=matmul_shape(config).last_weights // hidden,
+            vocab=config.vocab_size, gated_mlp=any("gate_proj" in name for name, _ in blocks[0][1].named_parameters()),
+        )
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One process's device bytes by part, and the host bytes per node for offloaded state."""
+
+    model_states: int
+    working_set: int
+    activations: int
+    logits: int
+    overhead: int
+    host_per_node: int
+    host_share: int  # the process's part of ``host_per_node`` when the device is the host (CPU), else 0
+
+    @property
+    def analytic(self) -> int:
+        return self.model_states + self.working_set + self.activations + self.logits + self.host_share
+
+    @property
+    def device_total(self) -> int:
+        return self.analytic + self.overhead
+
+    def parts_gb(self) -> dict[str, float]:
+        parts = ("model_states", "working_set", "activations", "logits", "overhead", "host_share", "host_per_node")
+        return {name: round(getattr(self, name) / GIB, 4) for name in parts} | {"device_total": round(self.device_total / GIB, 4)}
+
+
+def compute_dtype(candidate: Candidate, accelerator: str) -> torch.dtype:
+    """The candidate's compute dtype; ``auto`` is bfloat16 on GPUs, float32 on CPU (as the strategies resolve it)."""
+    name = candidate.param_dtype if candidate.param_dtype != "auto" else ("bfloat16" if accelerator == "cuda" else "float32")
+    return getattr(torch, name)
+
+
+def activation_bytes(candidate: Candidate, model: ModelShape, run: RunShape, p: int) -> tuple[int, int]:
+    """(bytes kept on the device, checkpointed inputs moved to the host by this process)."""
+    tokens = candidate.micro_batch * run.seq_len
+    per_block = tokens * (8 * model.hidden + (4 if model.gated_mlp else 2) * model.intermediate) * p
+    block_input = tokens * model.hidden * p
+    every = candidate.activation_checkpointing
+    checkpointed = math.ceil(model.layers / every) if every else 0
+    kept_inputs = checkpointed * block_input
+    recompute = per_block if checkpointed else 0
+    device = (model.layers - checkpointed) * per_block + recompute
+    if candidate.strategy == "slide_fsdp" and candidate.activation_offload == "cpu":
+        return device, kept_inputs
+    return device + kept_inputs, 0
+
+
+def shard_group(candidate: Candidate, world_size: int) -> int:
+    """Ranks that share one copy of the FSDP2 model states."""
+    return {"NO_SHARD": 1, "HYBRID_SHARD": world_size // (candidate.replicate_size or 1)}.get(candidate.sharding, world_size)
+
+
+def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: int = 0) -> MemoryEstimate:
+    """The analytic estimate of ``candidate`` plus the calibrated ``overhead`` (bytes per process)."""
+    dtype = compute_dtype(candidate, run.accelerator)
+    p = dtype.itemsize
+    activations, offloaded_activations = activation_bytes(candidate, model, run, p)
+    root = model.root_parameters
+    if candidate.strategy == "slide_fsdp":
+        states = 0
+        working = (candidate.window * model.block_parameters + root) * p + (root + 2 * model.block_parameters) * REDUCE_BYTES
+        keep = run.clipping or run.batch_per_process > candidate.micro_batch
+        per_parameter = sum(host_bytes_per_parameter(dtype, keep).values())
+        host = model.parameters * per_parameter + offloaded_activations * run.processes_per_node
+    else:
+        states = ADAM_STATE_BYTES * model.parameters // shard_group(candidate, run.world_size)
+        unit = candidate.blocks_per_group * model.block_parameters
+        if candidate.sharding in ("FULL_SHARD", "HYBRID_SHARD"):
+            gathered = min(model.layers * model.block_parameters, (1 + max(candidate.prefetch, 1)) * unit)
+        else:  # units stay gathered from their forward until their backward
+            gathered = model.layers * model.block_parameters
+        working = (gathered + root) * p + (unit + root) * (p + REDUCE_BYTES)
+        host = states * run.processes_per_node if candidate.cpu_offload else 0
+        states = 0 if candidate.cpu_offload else states
+    logits = candidate.micro_batch * run.seq_len * model.vocab * (p + 8)
+    host_share = host // run.processes_per_node if run.accelerator == "cpu" else 0
+    return MemoryEstimate(states, working, activations, logits, overhead, host, host_share)
+
+
+class MemoryFilter:
+    """Rejects candidates whose estimate exceeds the device (or host) memory less a margin; calibrated by a measured trial."""
+
+    def __init__(self, model: ModelShape, run: RunShape, hardware: Hardware, margin: float):
+        self.model, self.run, self.hardware, self.margin = model, run, hardware, margin
+        self.overhead = 0
+        self.calibrated_by: int | None = None  # the trial whose measured peak set the overhead
+
+    @property
+    def memory_gb(self) -> float:
+        """The device memory one process has."""
+        return self.hardware.memory_per_process_gb(self.run.processes_per_node)
+
+    @property
+    def device_budget(self) -> int:
+        return int(self.memory_gb * (1 - self.margin) * GIB)
+
+    @property
+    def host_budget(self) -> int:
+        return int(self.hardware.host_memory_gb * (1 - self.margin) * GIB)
+
+    def estimate(self, candidate: Candidate) -> MemoryEstimate:
+        return estimate(candidate, self.model, self.run, self.overhead)
+
+    def calibrate(self, candidate: Candidate, measured_gb: float, trial: int) -> None:
+        """Set the overhead so that ``candidate``'s estimate equals its measured peak (it can be negative)."""
+        self.overhead = int(measured_gb * GIB) - estimate(candidate, self.model, self.run).analytic
+        self.calibrated_by = trial
+
+    def rejection(self, candidate: Candidate) -> str | None:
+        """Why ``candidate`` does not fit, or None."""
+        e = self.estimate(candidate)
+        margin = f"less the {self.margin:.0%} margin"
+        if e.device_total > self.device_budget:
+            parts = ", ".join(f"{name} {gb:.2f}" for name, gb in e.parts_gb().items()
+                              if name not in ("device_total", "host_per_node") and gb)
+            return (f"needs ~{e.device_total / GIB:.2f} GB per process ({parts}) > {self.device_budget / GIB:.2f} GB "
+                    f"({self.hardware.device_memory_gb:g} GB per device {margin})")
+        if e.host_per_node > self.host_budget:
+            return (f"needs ~{e.host_per_node / GIB:.3f} GB of host memory per node for offloaded state > "
+                    f"{self.host_budget / GIB:.3f} GB ({self.hardware.host_memory_gb:g} GB {margin})")
+        return None

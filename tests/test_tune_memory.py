@@ -1,0 +1,107 @@
+"""The tuner's memory estimate against its formulas on known shapes, its calibration, and the filter's verdicts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lit_fsdp.presets import build_config
+from lit_fsdp.tune.hardware import Hardware
+from lit_fsdp.tune.memory import GIB, MemoryFilter, ModelShape, estimate
+from lit_fsdp.tune.space import Candidate, RunShape
+
+# gpt2-tiny with a 512-token vocabulary, counted by hand: a block is ln_1 (128) + c_attn (64 x 192 + 192)
+# + attn c_proj (64 x 64 + 64) + ln_2 (128) + c_fc (64 x 256 + 256) + mlp c_proj (256 x 64 + 64) = 49,984;
+# the root is wte and wpe (512 x 64 each) + ln_f (128); the head is tied to wte.
+BLOCK, ROOT, LAYERS, HIDDEN, INNER, VOCAB = 49_984, 2 * 512 * 64 + 128, 2, 64, 256, 512
+TINY = ModelShape(parameters=LAYERS * BLOCK + ROOT, block_parameters=BLOCK, root_parameters=ROOT, layers=LAYERS,
+                  hidden=HIDDEN, intermediate=INNER, vocab=VOCAB, gated_mlp=False)
+
+
+def run_shape(world: int = 2, nodes: int = 1, accelerator: str = "cpu", batch: int = 8, clipping: bool = False) -> RunShape:
+    return RunShape(world_size=world, nodes=nodes, accelerator=accelerator, seq_len=128, batch_per_process=batch,
+                    clipping=clipping)
+
+
+def test_model_shape_counts_gpt2_tiny_as_by_hand():
+    assert ModelShape.of(build_config("gpt2-tiny", {"vocab_size": VOCAB})) == TINY
+    llama = ModelShape.of(build_config("llama-tiny"))
+    assert llama.gated_mlp and llama.intermediate == 176 and llama.layers == 2
+
+
+@pytest.mark.parametrize("sharding, group, gathered_blocks", [
+    ("FULL_SHARD", 2, 2), ("SHARD_GRAD_OP", 2, LAYERS), ("NO_SHARD", 1, LAYERS)])
+def test_fsdp2_estimate_is_states_over_the_shard_group_plus_working_set_activations_and_logits(sharding, group, gathered_blocks):
+    m, s, p = 4, 128, 4  # float32 on CPU
+    e = estimate(Candidate(sharding=sharding, micro_batch=m), TINY, run_shape())
+    assert e.model_states == 16 * TINY.parameters // group
+    assert e.working_set == (gathered_blocks * BLOCK + ROOT) * p + (BLOCK + ROOT) * (p + 4)
+    assert e.activations == LAYERS * m * s * (8 * HIDDEN + 2 * INNER) * p
+    assert e.logits == m * s * VOCAB * (p + 8)
+    assert (e.host_per_node, e.overhead) == (0, 0)
+    assert e.device_total == e.model_states + e.working_set + e.activations + e.logits
+
+
+def test_hybrid_shards_within_a_replica_and_bfloat16_halves_the_gathered_weights_on_gpus():
+    run = run_shape(world=8, nodes=2, accelerator="cuda")
+    e = estimate(Candidate(sharding="HYBRID_SHARD", replicate_size=2, prefetch=2, micro_batch=1), TINY, run)
+    assert e.model_states == 16 * TINY.parameters // 4
+    gathered = min(LAYERS * BLOCK, 3 * BLOCK)  # one unit computing, two prefetched, at most every block
+    assert e.working_set == (gathered + ROOT) * 2 + (BLOCK + ROOT) * (2 + 4)
+    assert e.logits == 128 * VOCAB * (2 + 8)
+
+
+def test_checkpointing_keeps_block_inputs_and_one_recompute():
+    m, s, p = 2, 128, 4
+    full = m * s * (8 * HIDDEN + 2 * INNER) * p
+    every_block = estimate(Candidate(activation_checkpointing=1, micro_batch=m), TINY, run_shape())
+    assert every_block.activations == LAYERS * m * s * HIDDEN * p + full
+    every_other = estimate(Candidate(activation_checkpointing=2, micro_batch=m), TINY, run_shape())
+    assert every_other.activations == (LAYERS - 1) * full + m * s * HIDDEN * p + full
+
+
+def test_cpu_offload_moves_the_states_to_the_host():
+    e = estimate(Candidate(cpu_offload=True, micro_batch=1), TINY, run_shape(accelerator="cuda"))
+    assert e.model_states == 0 and e.host_per_node == 16 * TINY.parameters // 2 * 2 and e.host_share == 0
+
+
+def test_slide_fsdp_keeps_a_window_on_the_device_and_14_to_20_bytes_per_parameter_on_the_host():
+    m, s = 2, 128
+    slide = Candidate(strategy="slide_fsdp", window=2, activation_checkpointing=1, activation_offload="cpu", micro_batch=m)
+    gpu = estimate(slide, TINY, run_shape(accelerator="cuda", batch=m))  # bfloat16, no accumulation, no clipping
+    assert gpu.model_states == 0
+    assert gpu.working_set == (2 * BLOCK + ROOT) * 2 + (ROOT + 2 * BLOCK) * 4
+    assert gpu.activations == m * s * (8 * HIDDEN + 2 * INNER) * 2  # inputs on the host; one block recomputed
+    offloaded_inputs = LAYERS * m * s * HIDDEN * 2 * 2  # per process, 2 processes
+    assert gpu.host_per_node == TINY.parameters * (4 + 8 + 2) + offloaded_inputs
+    clipped = estimate(slide, TINY, run_shape(accelerator="cuda", batch=m, clipping=True))
+    assert clipped.host_per_node - gpu.host_per_node == 4 * TINY.parameters  # kept gradients
+    cpu = estimate(slide, TINY, run_shape(accelerator="cpu", batch=4))  # float32 staging, accumulation keeps gradients
+    assert cpu.host_per_node == TINY.parameters * (4 + 8 + 4 + 4) + LAYERS * m * s * HIDDEN * 4 * 2
+    assert cpu.host_share == cpu.host_per_node // 2  # on a CPU the device is the host
+
+
+def test_calibration_makes_the_measured_trial_exact_and_shifts_the_others_by_the_same_constant():
+    hardware = Hardware(accelerator="cpu", devices_per_node=1, device_memory_gb=2.0, host_memory_gb=2.0)
+    memory = MemoryFilter(TINY, run_shape(), hardware, margin=0.1)
+    small, large = Candidate(micro_batch=1), Candidate(micro_batch=8, sharding="NO_SHARD")
+    memory.calibrate(small, measured_gb=0.5, trial=2)
+    assert memory.estimate(small).device_total == pytest.approx(0.5 * GIB, abs=1)
+    assert memory.estimate(large).device_total - memory.estimate(small).device_total == (
+        estimate(large, TINY, run_shape()).analytic - estimate(small, TINY, run_shape()).analytic)
+    assert memory.device_budget == int(2.0 / 2 * 0.9 * GIB)  # one CPU "device" shared by 2 processes, 10% margin
+    assert memory.rejection(large) is None
+    memory.calibrate(small, measured_gb=0.9, trial=2)  # the overhead alone now fills the 0.9 GB budget
+    reason = memory.rejection(large)
+    assert reason.startswith("needs ~") and "> 0.90 GB (2 GB per device less the 10% margin)" in reason
+
+
+def test_the_filter_rejects_offloaded_state_that_does_not_fit_in_host_memory():
+    hardware = Hardware(accelerator="cpu", device_memory_gb=16.0, host_memory_gb=0.002)
+    memory = MemoryFilter(TINY, run_shape(clipping=True), hardware, margin=0.1)
+    slide = Candidate(strategy="slide_fsdp", micro_batch=8)
+    needed = TINY.parameters * 20 / GIB
+    assert math.isclose(memory.estimate(slide).host_per_node / GIB, needed, rel_tol=1e-9)
+    assert "of host memory per node for offloaded state" in memory.rejection(slide)
+    assert memory.rejection(Candidate(micro_batch=8)) is None
