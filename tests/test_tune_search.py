@@ -242,3 +242,18 @@ def test_controller_stops_when_every_move_was_tried():
     result = Controller(search, Budget(trials=50, patience=50)).run()
     assert [c for c, _ in runner.ran] == ["same", "micro_batch=1", "prefetch=1"]
     assert result.stop_reason == "no untried candidate is left"
+
+
+def test_ctrl_c_ends_the_search_with_what_ran():
+    runner = FakeRunner({})
+
+    def interrupted_third(candidate, index, source, deadline_s):
+        if index == 3:
+            raise KeyboardInterrupt
+        return runner(candidate, index, source, deadline_s)
+
+    search = controller(runner, Budget(trials=10, patience=10))
+    search.search.run_trial = interrupted_third
+    result = search.run()
+    assert result.stop_reason.startswith("interrupted") and [t.index for t in result.trials] == [1, 2]
+    assert result.best is result.default

@@ -183,16 +183,19 @@ class Controller:
         queue = deque([Proposal(default, "default")])
         if default.micro_batch != 1 and 1 in self.search.allowed["micro_batch"]:
             queue.append(Proposal(default.with_knobs({"micro_batch": 1}), "calibration"))
-        while (stop := self.stop_reason()) is None:
-            if not queue:
-                queue.extend(self.plan())
+        try:
+            while (stop := self.stop_reason()) is None:
                 if not queue:
-                    stop = "no untried candidate is left"
-                    break
-            best_before = self.best
-            self.consider(queue.popleft())
-            if self.best is not best_before:  # re-plan from the new best
-                queue = deque(p for p in queue if p.reason in ("default", "calibration"))
+                    queue.extend(self.plan())
+                    if not queue:
+                        stop = "no untried candidate is left"
+                        break
+                best_before = self.best
+                self.consider(queue.popleft())
+                if self.best is not best_before:  # re-plan from the new best
+                    queue = deque(p for p in queue if p.reason in ("default", "calibration"))
+        except KeyboardInterrupt:  # the trial in flight was killed (launch does); what ran is still reported
+            stop = "interrupted (Ctrl-C); the trial that was running is not recorded"
         if self.search.memory.calibrated_by is None:
             self.notes.append("the memory filter was not calibrated: no trial was measured")
         return SearchResult(self.trials, self.best, self.default, stop, self.notes)
