@@ -109,17 +109,24 @@ class CompressionStats(pl.Callback):
             "compress_time_ms": 1000 * totals["compress_s"], "decompress_time_ms": 1000 * totals["decompress_s"],
             "extra_collectives": totals["extra_collectives"], "nonfinite": totals["nonfinite"],
             "index_share": ratios.get("compress/index_share"), "density": ratios.get("compress/density"),
+            "param_gather_ratio": ratios.get("compress/param_gather_ratio"),
             **self.run_figures(), "residual_norm": self.residual_norm,
         }
 
 
 def summarise(counters: dict[str, float]) -> dict[str, float]:
-    """Ratios from counters: against float32 and bfloat16 gradients, the index share, and the density."""
+    """Ratios from counters: against float32 and bfloat16 gradients, the index share, the density, and the
+    parameter all-gather's ratio against its unquantised gather."""
+    ratios = {}
+    gathered = counters.get("gather_bytes_sent", 0)
+    if gathered:
+        ratios["compress/param_gather_ratio"] = counters["gather_bytes_raw"] / gathered
     sent = counters.get("bytes_sent", 0)
     if not sent:
-        return {}
+        return ratios
     raw = counters["bytes_raw"]
     return {
+        **ratios,
         "compress/ratio_vs_fp32": raw / sent,
         "compress/ratio_vs_bf16": raw / 2 / sent,
         "compress/index_share": counters.get("bytes_index", 0) / sent,

@@ -47,6 +47,10 @@ class CommStats:
     nonfinite: int = 0
     values_sent: int = 0  # elements given a value in the payloads (see ``kept_values``); over numel: the density
     buffer_bytes: int = 0  # the send and receive buffers of one call: the largest call's, not a sum
+    # The quantised parameter all-gather (compress.param_gather), apart from the gradients' figures.
+    gather_bytes_raw: int = 0  # what the unquantised all-gather would send from this rank
+    gather_bytes_sent: int = 0
+    gather_codec_s: float = 0.0
     # Sampled steps only (``sampling``): this rank's own payloads decoded locally against their input rows.
     sample_err_sq: float = 0.0  # ||estimate - gradient||^2
     sample_ref_sq: float = 0.0  # ||gradient||^2

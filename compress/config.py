@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+from compress.dgc import DeepGradientCompression
 from compress.error_feedback import ErrorFeedback
 from compress.lowrank import LowRank
 from compress.payload import Compressor
 from compress.powersgd import PowerSGD
 from compress.quantize import FP8, QSGD, CastBF16, CastFP16, IntQuant, NaturalCompression, OneBit, SignSGD
-from compress.sketch import CountSketch
+from compress.sketched_sgd import SketchedSGD
 from compress.sparsify import RandomK, Sparsified, ThresholdV, TopK
 
 
@@ -37,15 +38,18 @@ METHODS: dict[str, Method] = {
     "int8": Method("symmetric integer quantisation, an fp32 scale per chunk", {"num_bits": 8, "chunk_size": 1024}, IntQuant),
     "qsgd": Method("stochastic quantisation to `levels` per chunk norm (unbiased)", {"levels": 16, "chunk_size": 1024}, QSGD, feedback=False),
     "natural": Method("stochastic rounding to powers of two (unbiased)", {}, NaturalCompression, feedback=False),
-    "topk": Method("the k largest magnitudes, cheaper of int32 or bitmap indices", {"ratio": 0.01, "k": None}, TopK),
+    "topk": Method(
+        "the k largest magnitudes, cheaper of int32 or bitmap indices; DGC with momentum/clip_norm/warmup_steps",
+        {"ratio": 0.01, "k": None, "momentum": 0.0, "clip_norm": None, "warmup_steps": 0}, TopK,
+    ),
     "randomk": Method(
         "k shared-seed random coordinates, values only (native reduce-scatter)",
         {"ratio": 0.01, "k": None, "rescale": True}, RandomK,
     ),
     "thresholdv": Method("coordinates with magnitude >= threshold", {"threshold": 1e-3}, ThresholdV),
     "sketch": Method(
-        "count-sketch with heavy-hitter recovery (native reduce-scatter)",
-        {"ratio": 0.1, "rows": 5, "heavy_ratio": 0.01}, CountSketch,
+        "Sketched-SGD in two rounds: summed count sketches pick candidates, their exact values follow; error feedback built in",
+        {"ratio": 0.1, "rows": 5, "heavy_ratio": 0.01}, SketchedSGD, feedback=False,
     ),
     "lowrank": Method("per-rank rank-r power iteration of reshaped chunks (each rank its own factors)", {"rank": 4, "cols": None}, LowRank),
     "powersgd": Method(
@@ -57,6 +61,10 @@ METHODS: dict[str, Method] = {
 }
 SPARSIFIERS = ("topk", "randomk", "thresholdv")
 QUANTIZERS = ("fp16", "bf16", "fp8", "int8", "qsgd", "natural")
+#: quantisers the parameter all-gather takes (deterministic: every rank must decode the same weights)
+PARAM_GATHER_METHODS = ("int8", "fp8", "bf16", "fp16")
+#: topk's Deep Gradient Compression options and their "off" values: they wrap topk, they do not build it
+DGC_OPTIONS = {"momentum": 0.0, "clip_norm": None, "warmup_steps": 0}
 _RANDOMISED = {"qsgd", "natural"}  # draw private random numbers: salted with the rank
 
 
@@ -96,6 +104,15 @@ class CompressionConfig:
     """powersgd: compress a matrix only if it sends at least this many times fewer values"""
     cols: int | None = None
     """lowrank: columns of the matrix a gradient chunk is reshaped into (default about sqrt(n))"""
+    param_all_gather: str | None = None
+    """quantise the weights FSDP2 all-gathers for forward and backward (int8, fp8, bf16, fp16; ZeRO++'s qwZ);
+    the sharded weights the optimizer updates stay exact"""
+    momentum: float | None = None
+    """topk (DGC): momentum correction, accumulate velocities and clear them where sent (0: off)"""
+    clip_norm: float | None = None
+    """topk (DGC): clip each chunk's local gradient to this L2 norm before it is accumulated"""
+    warmup_steps: int | None = None
+    """topk (DGC): steps from dense to the target ratio, exponentially (0: the target from the start)"""
 
     def parameters(self) -> dict[str, Any]:
         """The method's parameters: its defaults, overridden by what was set."""
@@ -111,13 +128,15 @@ class CompressionConfig:
         method = self._method(self.method, "method")
         foreign = [
             f.name for f in fields(self)
-            if f.name not in ("method", "error_feedback", "quantize") and f.name not in method.defaults
+            if f.name not in ("method", "error_feedback", "quantize", "param_all_gather") and f.name not in method.defaults
             and getattr(self, f.name) is not None
         ]
         if foreign:
             raise ValueError(f"compression parameter {foreign[0]} does not apply to method {self.method!r}; "
                              f"it takes {', '.join(method.defaults) or 'no parameters'}")
-        compressor = _build(self.method, self.parameters(), rank)
+        parameters = self.parameters()
+        dgc = {name: parameters.pop(name) for name in DGC_OPTIONS if name in parameters}
+        compressor = _build(self.method, parameters, rank)
         if self.quantize is not None:
             if self.method not in SPARSIFIERS or self.quantize not in QUANTIZERS:
                 raise ValueError(f"quantize: {self.quantize!r} composes a sparsifier ({', '.join(SPARSIFIERS)}) with a "
@@ -125,10 +144,29 @@ class CompressionConfig:
             compressor = Sparsified(compressor, _build(self.quantize, METHODS[self.quantize].defaults, rank))
         if self.error_feedback:
             if not method.feedback or (self.method == "randomk" and self.parameters()["rescale"]):
-                kind = {"none": "no compression", "powersgd": "built with its own error feedback"}.get(self.method, "unbiased")
+                built_in = "built with its own error feedback"
+                kind = {"none": "no compression", "powersgd": built_in, "sketch": built_in}.get(self.method, "unbiased")
                 raise ValueError(f"error_feedback needs a biased method; {self.method!r} is {kind}: set error_feedback false")
-            compressor = ErrorFeedback(compressor)
+            dgc_on = {name: value for name, value in dgc.items() if value != DGC_OPTIONS[name]}
+            compressor = DeepGradientCompression(compressor, **dgc) if dgc_on else ErrorFeedback(compressor)
+        elif any(value != DGC_OPTIONS[name] for name, value in dgc.items()):
+            raise ValueError("topk: momentum, clip_norm and warmup_steps (DGC) accumulate what is not sent: "
+                             "set error_feedback true")
         return compressor
+
+    def param_codec(self) -> Compressor | None:
+        """The quantiser of the parameter all-gather (None: FSDP2's own), at its method's defaults."""
+        if self.param_all_gather is None:
+            return None
+        if self.param_all_gather not in PARAM_GATHER_METHODS:
+            raise ValueError(f"param_all_gather: {self.param_all_gather!r} is not one of {', '.join(PARAM_GATHER_METHODS)} "
+                             "(deterministic quantisers, so every rank decodes the same weights)")
+        return _build(self.param_all_gather, METHODS[self.param_all_gather].defaults, rank=0)
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is compressed: the gradients or the parameter all-gather."""
+        return self.method != "none" or self.param_all_gather is not None
 
     @staticmethod
     def _method(name: str, where: str) -> Method:
@@ -152,6 +190,9 @@ def describe_methods() -> str:
         params = ", ".join(f"{k}={v}" for k, v in method.defaults.items()) or "-"
         lines.append(f"{name:<11} {params:<45} {method.summary}")
     lines.append("")
-    lines.append("every method but none, qsgd, natural and rescaled randomk: error_feedback: true")
+    lines.append("error_feedback: true for every method but none, qsgd, natural and rescaled randomk (unbiased) and "
+                 "powersgd and sketch (built in)")
+    lines.append("topk with error_feedback: true and momentum, clip_norm or warmup_steps: Deep Gradient Compression")
+    lines.append(f"param_all_gather: {' | '.join(PARAM_GATHER_METHODS)} quantises FSDP2's parameter all-gather")
     lines.append(f"composite: a sparsifier ({', '.join(SPARSIFIERS)}) with quantize: {' | '.join(QUANTIZERS)}")
     return "\n".join(lines)

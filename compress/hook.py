@@ -11,7 +11,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter
 from compress.config import CompressionConfig
+from compress.param_gather import QuantizedAllGather
 from compress.powersgd import PowerSGD, PowerSGDAllReduce, PowerSGDReduceScatter, unit_layout
+from compress.sketched_sgd import SketchedAllReduce, SketchedReduceScatter, SketchedSGD
 
 
 def reduce_scatter_row(module: FSDPModule, world: int) -> int:
@@ -29,14 +31,18 @@ class GradientCompression:
     (``replaces_replicate_all_reduce``), and the replicate average is this hook's compressed all-reduce.
     """
 
-    replaces_replicate_all_reduce = True
-
     def __init__(self, config: CompressionConfig):
         self.config = config
         self.stats = CommStats()
         self.compressor = None
         self._units = 0
         self._movers: list = []  # per hook: the call count that seeds shared randomness
+        self.param_codec = config.param_codec()
+
+    @property
+    def replaces_replicate_all_reduce(self) -> bool:
+        """Whether this hook averages across replicas (it does when it compresses gradients)."""
+        return self.config.method != "none"
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's compression state (residuals, warm starts, call counts): a checkpoint keeps it, so a resumed
@@ -61,6 +67,10 @@ class GradientCompression:
         name = f"unit{self._units}"
         self._units += 1
         shard = mesh["shard"] if mesh.ndim == 2 else mesh
+        if self.param_codec is not None and shard.size() > 1:
+            module.set_custom_all_gather(QuantizedAllGather(self.param_codec, self.stats, f"{name}/params"))
+        if self.compressor is None:  # method none: the gradients take FSDP2's own path
+            return
         check_fits = getattr(getattr(self.compressor, "inner", self.compressor), "check_fits", None)
         if check_fits is not None:  # e.g. a low rank larger than a chunk's matrix: fail before the first step
             check_fits(reduce_scatter_row(module, shard.size()))
@@ -75,11 +85,15 @@ class GradientCompression:
                     PowerSGDAllReduce(self.compressor, self.stats, f"{name}/ar", layout, mesh["replicate"].get_group())
                 )
             return
+        if isinstance(self.compressor, SketchedSGD):
+            reduce_scatter_type, all_reduce_type = SketchedReduceScatter, SketchedAllReduce
+        else:
+            reduce_scatter_type, all_reduce_type = CompressedReduceScatter, CompressedAllReduce
         if shard.size() > 1:
-            reduce_scatter = CompressedReduceScatter(self.compressor, self.stats, name)
+            reduce_scatter = reduce_scatter_type(self.compressor, self.stats, name)
             module.set_custom_reduce_scatter(reduce_scatter)
             self._movers.append(reduce_scatter.mover)
         if mesh.ndim == 2 and mesh["replicate"].size() > 1:
-            all_reduce = CompressedAllReduce(self.compressor, self.stats, name, mesh["replicate"].get_group())
+            all_reduce = all_reduce_type(self.compressor, self.stats, name, mesh["replicate"].get_group())
             module.set_all_reduce_hook(all_reduce)
             self._movers.append(all_reduce.mover)

@@ -56,21 +56,30 @@ class CountSketch:
             sign = 1.0 - 2.0 * ((c * index + d) % _PRIME % 2).float()
             yield bucket, sign
 
-    def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
+    def table(self, tensor: torch.Tensor, seed: int) -> torch.Tensor:
+        """The ``rows x cols`` sketch of a 1-D tensor with the hash functions of ``seed``."""
         n, values = tensor.numel(), tensor.float()
         cols = self.cols(n)
         table = torch.zeros(self.rows, cols, dtype=torch.float32, device=tensor.device)
         for row, (bucket, sign) in zip(table, self._hashes(n, cols, seed, tensor.device)):
             row.index_add_(0, bucket, values * sign)
-        return Payload(n, {"table": table}, {"seed": wire_seed(seed)})
+        return table
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
-        n, table = payload.numel, payload.tensors["table"]
-        hashes = self._hashes(n, table.shape[1], int(payload.scalars["seed"]), table.device)
+    def heavy(self, table: torch.Tensor, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ascending positions of the ``k`` largest median estimates of a sketched ``n``-vector, and the estimates."""
+        hashes = self._hashes(n, table.shape[1], seed, table.device)
         estimates = torch.stack([sign * row[bucket] for row, (bucket, sign) in zip(table, hashes)])
         # torch.median takes the lower middle value when rows is even
         estimate = estimates.median(dim=0).values
-        heavy = torch.topk(estimate.abs(), count(n, self.heavy_ratio, self.k), sorted=False).indices
-        out = torch.zeros(n, dtype=torch.float32, device=table.device)
-        out[heavy] = estimate[heavy]
+        positions = torch.topk(estimate.abs(), count(n, self.heavy_ratio, self.k), sorted=False).indices.sort().values
+        return positions, estimate[positions]
+
+    def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
+        return Payload(tensor.numel(), {"table": self.table(tensor, seed)}, {"seed": wire_seed(seed)})
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        """The heavy hitters' estimates at their positions (one round: estimates, not exact values)."""
+        positions, estimates = self.heavy(payload.tensors["table"], payload.numel, int(payload.scalars["seed"]))
+        out = torch.zeros(payload.numel, dtype=torch.float32, device=positions.device)
+        out[positions] = estimates
         return out

@@ -245,7 +245,7 @@ class FSDP2Strategy(CausalLMStrategy):
         self.compile_blocks = compile_blocks
         self.prefetch = prefetch
         self.cpu_offload = cpu_offload
-        if compression is not None and compression.method != "none":
+        if compression is not None and compression.active:
             if comm_hook is not None:
                 raise ValueError("set either compression or comm_hook on the strategy, not both")
             comm_hook = GradientCompression(compression)
@@ -300,6 +300,7 @@ class FSDP2Strategy(CausalLMStrategy):
         super().preflight(trainer, module)
         if self.compression is not None:
             self.compression.build(rank=0)  # unknown method, out-of-range parameter: fail here
+            self.compression.param_codec()
 
     def is_placed(self, network: torch.nn.Module) -> bool:
         return isinstance(network, FSDPModule)

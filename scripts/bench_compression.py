@@ -19,17 +19,65 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+import yaml
 from sweep import METHODS, REPO, launch  # scripts/ is on sys.path when this file runs
 
 DATA = REPO.parent / "shared" / "data" / "wikitext2"
-MULTI_SEED = ("baseline", "int8", "topk", "lowrank", "topk10_int8")
+#: torch's own PowerSGD DDP hook at configs/powersgd.yaml's rank and start step: the reference for ``powersgd``
+TORCH_POWERSGD = "torch_powersgd"
+CHOICES = [*METHODS, TORCH_POWERSGD]
+MULTI_SEED = ("baseline", "int8", "topk", "lowrank", "topk10_int8", "powersgd", TORCH_POWERSGD)
+
+
+def powersgd_settings() -> dict:
+    """configs/powersgd.yaml's compression block."""
+    config = yaml.safe_load((REPO / "configs" / "powersgd.yaml").read_text())
+    return config["trainer"]["strategy"]["init_args"]["compression"]
+
+
+def torch_powersgd_strategy() -> list[str]:
+    """Arguments that run DDP with torch's PowerSGD hook at our config's rank and start step."""
+    settings = powersgd_settings()
+    strategy = {"class_path": "lit_fsdp.ddp.DDPStrategy",
+                "init_args": {"torch_powersgd_rank": settings["rank"], "torch_powersgd_start_step": settings["start_step"]}}
+    return ["--trainer.strategy", json.dumps(strategy)]
+
+
+def torch_powersgd_ratio(args: argparse.Namespace, steps: int) -> float:
+    """Values of DDP's fp32 all-reduce over the values torch's hook all-reduces, over the run (dense steps included).
+
+    torch compresses a parameter viewed as ``shape[0] x rest`` at rank ``r = min(r, rows, cols)`` when
+    ``(rows + cols) r x 2 < rows cols`` (its ``min_compression_rate``), and sends the rest uncompressed.
+    """
+    from lit_fsdp.presets import build_config
+    from transformers import AutoModelForCausalLM
+
+    settings = powersgd_settings()
+    vocab = yaml.safe_load((REPO / "configs" / "wikipedia.yaml").read_text())["data"]["init_args"]["vocab_size"]
+    config = build_config("gpt2-small", {"n_layer": args.layers, "n_embd": args.width, "n_head": 4, "vocab_size": vocab})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dense = sent = 0
+    for parameter in model.parameters():
+        dense += parameter.numel()
+        rows = parameter.shape[0]
+        cols = parameter.numel() // rows
+        rank = min(settings["rank"], rows, cols)
+        compressed = parameter.dim() > 1 and (rows + cols) * rank * 2 < rows * cols
+        sent += (rows + cols) * rank if compressed else parameter.numel()
+    start = min(settings["start_step"], steps)
+    return steps * dense / (start * dense + (steps - start) * sent)
 
 
 def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dict:
     """One training run; its final metrics, or ``{"failed": reason}``."""
     out = root / f"{method}-seed{seed}"
-    configs = [REPO / "configs" / name for name in ("quickstart.yaml", "wikipedia.yaml", f"{method}.yaml")]
+    # torch's PowerSGD: the baseline's callbacks, its strategy replaced by DDP with the hook
+    names = ["quickstart.yaml", "wikipedia.yaml", "baseline.yaml" if method == TORCH_POWERSGD else f"{method}.yaml"]
+    configs = [REPO / "configs" / name for name in names]
     outcome = launch(configs, [
+        *(torch_powersgd_strategy() if method == TORCH_POWERSGD else []),
         "--data.train_path", str(args.data / "train.json"),
         "--data.val_path", str(args.data / "valid.json"),
         "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch_size),
@@ -57,6 +105,9 @@ def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dic
             codec_ms_per_step=1000 * (report["compress_s"] + report["decompress_s"]) / args.steps,
             config=report["config"],
         )
+    elif method == TORCH_POWERSGD:  # against DDP's fp32 all-reduce (the others: against FSDP2's fp32 reduce-scatter)
+        ratio = torch_powersgd_ratio(args, args.steps)
+        record.update(ratio_vs_fp32=ratio, ratio_vs_bf16=ratio / 2, codec_ms_per_step=float("nan"))
     else:  # no hook: FSDP2's own float32 reduce-scatter
         record.update(ratio_vs_fp32=1.0, ratio_vs_bf16=0.5, codec_ms_per_step=0.0)
     return record
@@ -80,7 +131,7 @@ def table(records: list[dict]) -> str:
         "| method | seeds | val ppl | change vs none, paired by seed (mean ± sd) | ratio vs fp32 | ratio vs bf16 | codec ms/step | tokens/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for method in METHODS:
+    for method in CHOICES:
         runs = [r for r in ok if r["method"] == method]
         failed = [r for r in records if r["method"] == method and "failed" in r]
         if failed and not runs:
@@ -107,7 +158,7 @@ def table(records: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=CHOICES, choices=CHOICES)
     parser.add_argument("--seeds", type=int, default=3, help=f"seeds for {', '.join(MULTI_SEED)}; others run once")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--layers", type=int, default=2)

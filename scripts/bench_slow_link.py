@@ -8,10 +8,12 @@ once per method with one rank in each namespace (Lightning's multi-node environm
 device), each rank pinned to its own core(s) with as many threads (``--threads``, default 1), so
 its compute does not depend on the other rank's.
 
-The configuration is communication-bound on purpose: ``sharding: NO_SHARD`` replicates the model
-on both ranks (data parallelism across two nodes, as DDP), so the only traffic per step is the
-gradient all-reduce across the link, which the compression hook compresses (FULL_SHARD would also
-all-gather parameters uncompressed every step and cap the gain). The default model is GPT-2-shaped,
+The configuration is communication-bound on purpose: ``sharding: NO_SHARD`` (the default) replicates
+the model on both ranks (data parallelism across two nodes, as DDP), so the only traffic per step is
+the gradient all-reduce across the link, which the compression hook compresses. ``--sharding
+FULL_SHARD`` also all-gathers the parameters every step (twice: forward and backward); without
+``--param-all-gather int8`` that traffic is uncompressed and caps the gain. PowerSGD's ``start_step`` and DGC's
+``warmup_steps`` are set to 0, so the timed steps are compressed ones. The default model is GPT-2-shaped,
 4 layers x 640 wide (about 20M parameters, 80 MB of fp32 gradients per step, about 0.65 s on
 1 Gbit/s), trained on one sequence of 16 tokens per rank, so that most of a ``none`` step is the
 fp32 exchange. The compressors run on the rank's own core(s) too: where their time per value
@@ -48,12 +50,16 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 # Method name -> its config; `none` is the baseline (no hook: FSDP2's own fp32 all-reduce).
 METHODS = {"none": CONFIGS / "baseline.yaml"} | {
     p.stem: p for p in sorted(CONFIGS.glob("*.yaml")) if "compression:" in p.read_text() and p.stem != "baseline"
 }
+# The methods' dense warm-ups (PowerSGD's start_step, DGC's density warm-up) set to 0: the steps timed are compressed.
+STEADY_STATE = {"start_step": "0", "warmup_steps": "0"}
 # Environment that would make Lightning pick another cluster environment or another rank layout.
 FOREIGN_ENV = ("RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 FOREIGN_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "LSB_", "TORCHELASTIC_")
@@ -268,7 +274,9 @@ def fit_arguments(args: argparse.Namespace, method: str, callbacks: Path, run_di
         "-m", "lit_fsdp", "fit",
         "--config", str(METHODS[method]), "--config", str(callbacks),
         "--trainer.accelerator", "cpu", "--trainer.num_nodes", "2", "--trainer.devices", "1",
-        "--trainer.strategy.init_args.sharding", "NO_SHARD",
+        "--trainer.strategy.init_args.sharding", args.sharding,
+        *(["--trainer.strategy.init_args.compression.param_all_gather", args.param_all_gather]
+          if args.param_all_gather else []),
         "--trainer.max_steps", str(args.steps), "--trainer.limit_val_batches", "0",
         "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false", "--trainer.logger", "false",
@@ -276,7 +284,16 @@ def fit_arguments(args: argparse.Namespace, method: str, callbacks: Path, run_di
         "--model.config_overrides", json.dumps(model_overrides(args)),
         "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch_size),
         "--data.num_train_blocks", str(args.batch_size * 2 * (args.steps + 1)),
+        *steady_state(method),
     ]
+
+
+def steady_state(method: str) -> list[str]:
+    """Arguments that turn ``method``'s dense warm-up steps off, so that its measured steps are compressed ones."""
+    config = yaml.safe_load(METHODS[method].read_text())
+    compression = config["trainer"]["strategy"]["init_args"].get("compression") or {}
+    return [arg for key, value in STEADY_STATE.items() if key in compression
+            for arg in (f"--trainer.strategy.init_args.compression.{key}", value)]
 
 
 def model_overrides(args: argparse.Namespace) -> dict[str, int]:
@@ -427,6 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rates", nargs="+", type=tc_rate, default=["1gbit", "10gbit"], help="tc rates, e.g. 1gbit 500mbit")
     parser.add_argument("--steps", type=int, default=14, help="optimizer steps per run")
+    parser.add_argument("--sharding", choices=["NO_SHARD", "FULL_SHARD"], default="NO_SHARD",
+                        help="NO_SHARD: the gradient all-reduce is the only traffic; FULL_SHARD: parameter all-gathers "
+                             "and gradient reduce-scatters cross the link")
+    parser.add_argument("--param-all-gather", choices=["int8", "fp8", "bf16", "fp16"],
+                        help="FULL_SHARD: quantise the parameter all-gather too (compression.param_all_gather)")
     parser.add_argument(
         "--warmup", type=int, default=5, help="first steps left out of the step times (the profiler records the last ones)"
     )
@@ -450,6 +472,8 @@ def main() -> None:
         return probe_receive(args.probe_receive)
     if args.probe_send is not None:
         return probe_send(args.probe_send[0], int(args.probe_send[1]), int(args.probe_send[2]))
+    if args.param_all_gather and args.sharding == "NO_SHARD":
+        parser.error("--param-all-gather needs --sharding FULL_SHARD (NO_SHARD gathers no parameters)")
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} leaves no measured step of --steps {args.steps}; lower it")
     args.out = args.out.resolve()
@@ -467,7 +491,7 @@ def main() -> None:
                     params = parameter_count(args)
                     callbacks = write_callbacks(args.out / "callbacks.json", args.warmup, comm_profiler_available())
                     setup = (
-                        f"NO_SHARD across 2 namespaces (1 rank each, gloo, {args.threads} pinned core(s) and "
+                        f"{args.sharding}{' with a ' + args.param_all_gather + ' parameter all-gather' if args.param_all_gather else ''} across 2 namespaces (1 rank each, gloo, {args.threads} pinned core(s) and "
                         f"thread(s) per rank); GPT-2 "
                         f"n_layer={args.layers} n_embd={args.width} ({params / 1e6:.1f}M parameters, "
                         f"{4 * params / 1e6:.0f} MB of fp32 gradients per step), batch {args.batch_size} x seq "

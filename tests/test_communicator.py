@@ -53,8 +53,8 @@ def both_ops(rank: int, world: int, config: dict) -> list:
     return [reduce_scatter(rank, world, config, op) for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM)]
 
 
-# PowerSGD brings its own communicators over a unit's parameter layout: tests/test_powersgd.py
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("none", "powersgd")])
+# PowerSGD and Sketched-SGD bring their own communicators: tests/test_powersgd.py, tests/test_sketched_sgd.py
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("none", "powersgd", "sketch")])
 def test_every_method_reduce_scatters_to_a_finite_estimate_of_the_sum_or_mean(tmp_path, method):
     config = {"method": method, **({"ratio": 0.3} if method in ("topk", "randomk") else {})}
     minimum_cosine = {"qsgd": 0.7, "topk": 0.8, "randomk": 0.2, "sketch": 0.05, "signsgd": 0.25, "onebit": 0.25}
