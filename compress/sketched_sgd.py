@@ -19,7 +19,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from compress.communicator import CommStats, _apply_op, _nbytes, _PayloadMover, _Timer
 from compress.error_feedback import Residuals
 from compress.sketch import CountSketch
-from compress.sparsify import count
 
 _INDEX_BYTES = 4  # candidate positions travel as int32
 
@@ -52,9 +51,6 @@ class SketchedSGD(Residuals):
 
     def candidates(self, table: torch.Tensor, n: int, seed: int) -> torch.Tensor:
         return self.sketch.heavy(table, n, seed)[0]
-
-    def k(self, n: int) -> int:
-        return count(n, self.sketch.heavy_ratio, self.sketch.k)
 
 
 class SketchedReduceScatter(ReduceScatter):
