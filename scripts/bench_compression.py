@@ -27,7 +27,7 @@ DATA = REPO.parent / "shared" / "data" / "wikitext2"
 #: torch's own PowerSGD DDP hook at configs/powersgd.yaml's rank and start step: the reference for ``powersgd``
 TORCH_POWERSGD = "torch_powersgd"
 CHOICES = [*METHODS, TORCH_POWERSGD]
-MULTI_SEED = ("baseline", "int8", "topk", "lowrank", "topk10_int8", "powersgd", TORCH_POWERSGD)
+MULTI_SEED = ("baseline", "int8", "topk", "dgc", "powersgd", TORCH_POWERSGD)
 
 
 def powersgd_settings() -> dict:
