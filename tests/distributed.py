@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -31,5 +32,5 @@ def _worker(rank: int, world: int, port: int, fn: Callable, out: str, args: tupl
 def run(fn: Callable, tmp_path: Path, *args, world: int = 2) -> list:
     """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results (must be picklable)."""
     out = str(tmp_path / "result")
-    mp.spawn(_worker, args=(world, _free_port(), fn, out, args), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), fn, out, args), nprocs=world, join=True)
     return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world)]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,7 @@ def run_cli(*args: str, cwd: Path, check: bool = True, nodes: int = 1) -> subpro
     if nodes == 1:
         result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     else:
-        port = str(_free_port())
+        port = str(free_port())
         processes = [
             subprocess.Popen(
                 [*command, "--trainer.num_nodes", str(nodes), "--trainer.devices", "1"], cwd=cwd, text=True,
@@ -49,12 +50,6 @@ def run_cli(*args: str, cwd: Path, check: bool = True, nodes: int = 1) -> subpro
     if check and result.returncode != 0:
         raise AssertionError(f"lit_fsdp {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fit_arguments(
