@@ -8,6 +8,7 @@ time per step. Runs that fail are recorded as failed and the sweep goes on.
 
     python scripts/bench_compression.py                      # all methods, as in the issue note
     python scripts/bench_compression.py --methods baseline int8 --seeds 1 --steps 50
+    python scripts/bench_compression.py --methods thresholdv --set threshold=7e-4   # a row "thresholdv threshold=7e-4"
 """
 
 from __future__ import annotations
@@ -70,14 +71,27 @@ def torch_powersgd_ratio(args: argparse.Namespace, steps: int) -> float:
     return steps * dense / (start * dense + (steps - start) * sent)
 
 
+def row_name(method: str, settings: list[str]) -> str:
+    """The table's name for ``method`` run with ``--set`` overrides: ``thresholdv threshold=7e-4``."""
+    return " ".join([method, *settings])
+
+
+def method_of(name: str) -> str:
+    return name.split(" ")[0]
+
+
 def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dict:
     """One training run; its final metrics, or ``{"failed": reason}``."""
-    out = root / f"{method}-seed{seed}"
+    name = row_name(method, args.set)
+    out = root / f"{name.replace(' ', '-')}-seed{seed}"
+    overrides = [arg for setting in args.set for arg in
+                 (f"--trainer.strategy.init_args.compression.{setting.split('=')[0]}", setting.split("=", 1)[1])]
     # torch's PowerSGD: the baseline's callbacks, its strategy replaced by DDP with the hook
     names = ["quickstart.yaml", "wikipedia.yaml", "baseline.yaml" if method == TORCH_POWERSGD else f"{method}.yaml"]
     configs = [REPO / "configs" / name for name in names]
     outcome = launch(configs, [
         *(torch_powersgd_strategy() if method == TORCH_POWERSGD else []),
+        *overrides,
         "--data.train_path", str(args.data / "train.json"),
         "--data.val_path", str(args.data / "valid.json"),
         "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch_size),
@@ -90,10 +104,10 @@ def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dic
         # Named explicitly: a logger class switched on the command line keeps the default logger's name (null).
     ], out)
     if outcome["status"] == "failed":
-        return {"method": method, "seed": seed, "failed": outcome["error"]}
+        return {"method": name, "seed": seed, "failed": outcome["error"]}
     metrics = last_values(next(out.glob("lightning_logs/version_*/metrics.csv")))
     record = {
-        "method": method, "seed": seed, "wall_s": outcome["wall_s"],
+        "method": name, "seed": seed, "wall_s": outcome["wall_s"],
         "val_loss": metrics["val/loss"], "val_ppl": metrics["val/ppl"], "train_loss": metrics["train/loss"],
         "tokens_per_s": json.loads((out / "throughput.json").read_text())["tokens_per_s"],
     }
@@ -131,7 +145,8 @@ def table(records: list[dict]) -> str:
         "| method | seeds | val ppl | change vs none, paired by seed (mean ± sd) | ratio vs fp32 | ratio vs bf16 | codec ms/step | tokens/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for method in CHOICES:
+    # each method, then its runs with --set overrides
+    for method in sorted({r["method"] for r in records}, key=lambda name: (CHOICES.index(method_of(name)), name)):
         runs = [r for r in ok if r["method"] == method]
         failed = [r for r in records if r["method"] == method and "failed" in r]
         if failed and not runs:
@@ -169,12 +184,18 @@ def main() -> None:
     parser.add_argument("--val-batches", type=int, default=40)
     parser.add_argument("--data", type=Path, default=DATA, help="folder with train.json and valid.json")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_compression")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="override the methods' compression settings (e.g. threshold=7e-4); the row is named after them")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from OUT/results.jsonl")
     args = parser.parse_args()
     if args.report_only:
         records = [json.loads(line) for line in open(args.out / "results.jsonl")]
         print(table(records))
         return
+    if malformed := [setting for setting in args.set if "=" not in setting]:
+        sys.exit(f"bench_compression: --set {malformed[0]} is not KEY=VALUE; e.g. --set threshold=7e-4")
+    if args.set and {"baseline", TORCH_POWERSGD} & set(args.methods):
+        sys.exit("bench_compression: --set applies to compression methods; run baseline and torch_powersgd without it")
     if not (args.data / "train.json").is_file():
         sys.exit(f"bench_compression: {args.data / 'train.json'} not found; pass --data FOLDER with train.json and valid.json")
     args.out.mkdir(parents=True, exist_ok=True)
