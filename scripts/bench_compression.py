@@ -175,6 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=CHOICES, choices=CHOICES)
     parser.add_argument("--seeds", type=int, default=3, help=f"seeds for {', '.join(MULTI_SEED)}; others run once")
+    parser.add_argument("--first-seed", type=int, default=1234, help="seeds are FIRST_SEED, FIRST_SEED + 1, ...")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)
@@ -202,7 +203,7 @@ def main() -> None:
     records = []
     for method in args.methods:
         for seed in range(args.seeds if method in MULTI_SEED else 1):
-            record = run_one(method, 1234 + seed, args, args.out)
+            record = run_one(method, args.first_seed + seed, args, args.out)
             records.append(record)
             print(json.dumps(record, default=str), flush=True)
             with open(args.out / "results.jsonl", "a") as f:
