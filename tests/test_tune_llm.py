@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
 from lit_fsdp.tune.llm import AdviserError, LLMAdviser, LLMOptions, parse_candidates
+from tests.distributed import free_port
 from tests.llm_stub import StubLLM
 
 SITUATION = {"diagnosis": [{"kind": "communication", "evidence": "30 ms exposed"}], "history": [], "best": {"prefetch": 0}}
@@ -51,9 +51,7 @@ def test_an_http_error_or_an_unreachable_endpoint_raises_adviser_error_quickly()
     with StubLLM(status=500) as stub:
         with pytest.raises(AdviserError, match="500"):
             adviser(stub.base_url).propose(SITUATION)
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     with pytest.raises(AdviserError, match=f"127.0.0.1:{port}"):
         adviser(f"http://127.0.0.1:{port}/v1", timeout_s=5).propose(SITUATION)
 
