@@ -77,6 +77,7 @@ def row_name(method: str, settings: list[str]) -> str:
 
 
 def method_of(name: str) -> str:
+    """The method a row name (``row_name``) was run with."""
     return name.split(" ")[0]
 
 
@@ -84,8 +85,10 @@ def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dic
     """One training run; its final metrics, or ``{"failed": reason}``."""
     name = row_name(method, args.set)
     out = root / f"{name.replace(' ', '-')}-seed{seed}"
-    overrides = [arg for setting in args.set for arg in
-                 (f"--trainer.strategy.init_args.compression.{setting.split('=')[0]}", setting.split("=", 1)[1])]
+    overrides = []
+    for setting in args.set:
+        key, _, value = setting.partition("=")
+        overrides += [f"--trainer.strategy.init_args.compression.{key}", value]
     # torch's PowerSGD: the baseline's callbacks, its strategy replaced by DDP with the hook
     names = ["quickstart.yaml", "wikipedia.yaml", "baseline.yaml" if method == TORCH_POWERSGD else f"{method}.yaml"]
     configs = [REPO / "configs" / name for name in names]
