@@ -4,18 +4,27 @@ A profiled step is split into intervals on a timeline:
 
 - **communication**: the collectives as they ran. On CPU/gloo these are the ``gloo:*`` ranges on gloo's
   worker threads; each is named after the ``c10d::*`` call that issued it (gloo runs a reduce-scatter
-  as an all-reduce, for instance), matched in issue order. On CUDA/NCCL they are the ``nccl*`` kernels.
+  as an all-reduce, for instance), matched in issue order. On CUDA/NCCL they are the NCCL kernels
+  (``ncclDevKernel_*``, ``ncclKernel_*``), named by the kind in the kernel's name (``SendRecv`` is an
+  all-to-all); NCCL 2.19+ runs many collectives in one ``ncclDevKernel_Generic_*`` kernel, which takes the
+  name of the GPU-side ``nccl:<op>`` range around it on the same device (preferring its own stream).
 - **compute**: on CPU, every ATen op on the training threads except the ``c10d::*`` calls (a blocking
   collective waits inside its call); on CUDA, every other GPU kernel and copy.
+
+On CUDA, kineto copies each user annotation (``record_function`` ranges: ``ProfilerStep#N``, ``FSDP::*``,
+``nccl:<op>``) onto the GPU timeline, spanning the kernels launched inside it. Those copies are labels, not
+work: they count as neither compute nor communication. (On CPU, gloo's ``gloo:*`` ranges are annotations
+too, and they stay communication: they are the only record of the collective running.)
 
 Per step: time per collective (reduce_scatter, all_gather, all_reduce, all_to_all, ...), the union of
 all communication (``comm_ms``), compute, their overlap, the exposed communication (not hidden behind
 compute), and the communication share of the step (``comm_ms / step_ms``). Steps are the profiler's
-``ProfilerStep#N`` windows, one per optimizer step.
+CPU-side ``ProfilerStep#N`` windows, one per N and per optimizer step.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, NamedTuple
@@ -27,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.profiler import ProfilerActivity, schedule, tensorboard_trace_handler
 
 from callbacks.run_folder import folder, log_metrics, run_name, write_json
+from compress.torch_compat import kineto_events
 
 # The c10d op (or gloo range) that issued a collective -> the collective's name in our reports.
 _COLLECTIVES = {
@@ -39,31 +49,56 @@ _COLLECTIVES = {
     "broadcast_": "broadcast", "broadcast": "broadcast", "barrier": "barrier", "gather_": "gather",
     "scatter_": "scatter", "send": "send_recv", "recv_": "send_recv", "recv_any_source_": "send_recv",
 }
-# NCCL kernel names, e.g. ncclDevKernel_ReduceScatter_Sum_f32_RING_LL: the part after the prefix.
+# NCCL kernel names, e.g. ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(...) or
+# ncclKernel_AllGather_RING_LL_Sum_int8_t(ncclWork): the kind after the prefix. Kinds not listed (Generic) go lower case.
+_NCCL_KERNEL = re.compile(r"(?:void )?nccl(?:Dev)?Kernel_([A-Za-z]+)")
 _NCCL_KERNELS = {
     "ReduceScatter": "reduce_scatter", "AllGather": "all_gather", "AllReduce": "all_reduce",
     "SendRecv": "all_to_all", "Broadcast": "broadcast", "Reduce": "reduce",
 }
 
 
+def _plain(op: str) -> str:
+    """``op`` without underscores and variant suffixes, so ``nccl:`` ranges meet c10d ops.
+
+    ``_reduce_scatter_base`` and ``reduce_scatter_tensor_coalesced_`` -> ``reducescatter``.
+    """
+    return re.sub(r"(intotensor|tensor)?(coalesced|base)?$", "", op.replace("_", ""))
+
+
+_COLLECTIVES_BY_PLAIN_NAME = {_plain(op): name for op, name in _COLLECTIVES.items()}
+
+
 class Event(NamedTuple):
-    """One profiler range, reduced to what the breakdown needs (times in nanoseconds)."""
+    """One profiler range, reduced to what the breakdown needs (times in nanoseconds).
+
+    ``thread`` is the CPU thread, or for a GPU event its stream; ``annotation``: a ``record_function`` range
+    (a label over other events, which kineto also copies onto the GPU timeline); ``device``: the GPU's index.
+    """
 
     name: str
     start: int
     end: int
     thread: int
     on_gpu: bool
+    annotation: bool = False
+    device: int = 0
 
 
 def collective_name(event_name: str) -> str | None:
-    """``reduce_scatter``, ``all_gather``, ... for a c10d call, gloo range or NCCL kernel; None for anything else."""
+    """``reduce_scatter``, ``all_gather``, ... for a c10d call, gloo range, ``nccl:<op>`` range or NCCL kernel; else None.
+
+    NCCL's ``Generic`` kernels say ``generic``: only the ``nccl:<op>`` range around one names it (``name_collectives``).
+    """
     if event_name.startswith(("c10d::", "gloo:")):
         op = event_name.split(":")[-1]
         return _COLLECTIVES.get(op, op)
-    if event_name.startswith("nccl"):  # ncclKernel_AllGather_..., ncclDevKernel_ReduceScatter_...
-        kind = event_name.split("_")[1] if "_" in event_name else event_name
-        return _NCCL_KERNELS.get(kind, kind.lower())
+    if event_name.startswith("nccl:"):  # nccl:_reduce_scatter_base, nccl:all_to_all, nccl:send 0->1
+        op = event_name.removeprefix("nccl:").split(" ")[0]
+        return _COLLECTIVES_BY_PLAIN_NAME.get(_plain(op), op)
+    kernel = _NCCL_KERNEL.match(event_name)
+    if kernel:
+        return _NCCL_KERNELS.get(kernel[1], kernel[1].lower())
     return None
 
 
@@ -120,11 +155,13 @@ class StepBreakdown:
 def name_collectives(events: list[Event]) -> list[tuple[str, Event]]:
     """The communication ranges of ``events``, each with its collective's name.
 
-    NCCL kernels carry their own name. gloo ranges are named after the ``c10d::*`` call that issued
-    them: calls and ranges are matched first-issued, first-run (each gloo range takes the earliest
+    NCCL kernels (on the GPU, not annotations) carry their own name; a ``Generic`` one takes it from the
+    ``nccl:<op>`` range around it (``enclosing_collective``). gloo ranges are named after the ``c10d::*`` call
+    that issued them: calls and ranges are matched first-issued, first-run (each gloo range takes the earliest
     unmatched call that started before it), falling back to the gloo range's own name.
     """
     issued = sorted((e for e in events if e.name.startswith("c10d::")), key=lambda e: e.start)
+    nccl_ranges = [e for e in events if e.on_gpu and e.annotation and e.name.startswith("nccl:")]
     named, next_call = [], 0
     for event in sorted(events, key=lambda e: e.start):
         if event.name.startswith("gloo:"):
@@ -133,20 +170,44 @@ def name_collectives(events: list[Event]) -> list[tuple[str, Event]]:
                 next_call += 1
             else:
                 named.append((collective_name(event.name), event))
-        elif event.on_gpu and event.name.startswith("nccl"):
-            named.append((collective_name(event.name), event))
+        elif event.on_gpu and not event.annotation and _NCCL_KERNEL.match(event.name):
+            name = collective_name(event.name)
+            if name == "generic":
+                name = enclosing_collective(event, nccl_ranges) or name
+            named.append((name, event))
     return named
+
+
+def enclosing_collective(kernel: Event, nccl_ranges: list[Event]) -> str | None:
+    """The collective of the GPU-side ``nccl:<op>`` range holding ``kernel`` on its device, or None if none does.
+
+    kineto draws one such range per device and stream; when ranges on several streams hold the kernel (FSDP2
+    gathers and reduce-scatters on separate streams at once), the one on the kernel's stream wins, then the
+    innermost.
+    """
+    around = [r for r in nccl_ranges if r.device == kernel.device and r.start <= kernel.start and kernel.end <= r.end]
+    if not around:
+        return None
+    return collective_name(min(around, key=lambda r: (r.thread != kernel.thread, r.end - r.start)).name)
+
+
+def step_windows(events: list[Event]) -> list[tuple[int, Event]]:
+    """``(N, range)`` for each CPU-side ``ProfilerStep#N``, in step order; the GPU timeline's copies are left out."""
+    steps: dict[int, Event] = {}
+    for event in sorted(events, key=lambda e: e.start):
+        if not event.on_gpu and event.name.startswith("ProfilerStep#"):
+            steps.setdefault(int(event.name.removeprefix("ProfilerStep#")), event)
+    return sorted(steps.items())
 
 
 def breakdown(events: list[Event]) -> list[StepBreakdown]:
     """Per ``ProfilerStep#N`` window: communication per collective, compute, overlap (see the module docstring)."""
-    steps = sorted((e for e in events if e.name.startswith("ProfilerStep#")), key=lambda e: e.start)
     collectives = name_collectives(events)
     gloo_threads = {e.thread for e in events if e.name.startswith("gloo:")}
     on_gpu = any(e.on_gpu for e in events)
     comm_events = {id(e) for _, e in collectives}
     if on_gpu:
-        compute = [e for e in events if e.on_gpu and id(e) not in comm_events]
+        compute = [e for e in events if e.on_gpu and not e.annotation and id(e) not in comm_events]
     else:
         compute = [
             e for e in events
@@ -159,12 +220,12 @@ def breakdown(events: list[Event]) -> list[StepBreakdown]:
         spans.setdefault(name, []).append((event.start, event.end))
     by_op_union = {name: union(intervals) for name, intervals in sorted(spans.items())}
     results = []
-    for step in steps:
+    for index, step in step_windows(events):
         window = [(step.start, step.end)]
         comm = intersection(comm_union, window)
         work = intersection(compute_union, window)
         results.append(StepBreakdown(
-            index=int(step.name.removeprefix("ProfilerStep#")),
+            index=index,
             step_ms=(step.end - step.start) / 1e6,
             comm_ms=length(comm) / 1e6,
             compute_ms=length(work) / 1e6,
@@ -175,11 +236,12 @@ def breakdown(events: list[Event]) -> list[StepBreakdown]:
 
 
 def profiler_events(prof: torch.profiler.profile) -> list[Event]:
-    """The finished cycle's events from Kineto (no trace file parsing)."""
+    """The finished cycle's events from kineto (no trace file parsing); a GPU event's ``thread`` is its stream."""
     out = []
-    for e in prof.profiler.kineto_results.events():
-        start = e.start_ns()
-        out.append(Event(e.name(), start, start + e.duration_ns(), e.start_thread_id(), e.device_type() != torch.autograd.DeviceType.CPU))
+    for e in kineto_events(prof):
+        on_gpu = e["device_type"] != "CPU"
+        out.append(Event(e["name"], e["start_ns"], e["end_ns"], e["resource_id"] if on_gpu else e["thread_id"], on_gpu,
+                         e["is_user_annotation"], e["device_index"]))
     return out
 
 

@@ -18,7 +18,7 @@ class CompressionStats(pl.Callback):
     """Logs ``compress/*`` from the strategy's ``GradientCompression`` hook every optimizer step.
 
     Figures are this rank's, per step: ``bytes_raw`` is what the uncompressed float32 collectives would
-    send, ``bytes_sent`` what was sent (payloads, headers, size exchanges); ``density`` the share of
+    send, ``bytes_sent`` what was sent (payloads and count exchanges); ``density`` the share of
     gradient elements whose value was sent (below 1 only for sparsifiers); ``extra_memory_bytes`` the
     error-feedback residuals plus the largest call's send and receive buffers. On sampled steps each rank
     also decodes its own payloads and logs ``grad_rel_error`` (||est - g|| / ||g||) and ``grad_cosine``
@@ -72,12 +72,12 @@ class CompressionStats(pl.Callback):
         if sample:
             self.samples.append(sample)
         metrics.update({f"compress/{key}": value for key, value in sample.items()})
-        residuals = memory_metrics(hook)
+        residuals = memory_metrics(hook, with_norm=bool(sample))  # the norm reads the device: on sampled steps only
         metrics.update(residuals)
         extra = residuals.get("compress/residual_bytes", 0) + step["buffer_bytes"]
         metrics["compress/extra_memory_bytes"] = extra
         self.peak_extra_memory = max(self.peak_extra_memory, extra)
-        self.residual_norm = residuals.get("compress/residual_norm")
+        self.residual_norm = residuals.get("compress/residual_norm", self.residual_norm)
         log_metrics(trainer, metrics)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -147,9 +147,12 @@ def sampled_error(counters: dict[str, float]) -> dict[str, float]:
     }
 
 
-def memory_metrics(hook: GradientCompression) -> dict[str, float]:
-    """Error-feedback residuals: their norm and the memory they hold."""
+def memory_metrics(hook: GradientCompression, with_norm: bool = True) -> dict[str, float]:
+    """Error-feedback residuals: the memory they hold, and their norm (``with_norm``: one read of the device)."""
     compressor = hook.compressor
     if not hasattr(compressor, "residual_norm"):
         return {}
-    return {"compress/residual_norm": compressor.residual_norm, "compress/residual_bytes": compressor.memory_bytes}
+    metrics = {"compress/residual_bytes": compressor.memory_bytes}
+    if with_norm:
+        metrics["compress/residual_norm"] = compressor.residual_norm
+    return metrics

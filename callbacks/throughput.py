@@ -8,11 +8,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from transformers import PretrainedConfig
 
-from callbacks.device_peaks import matmul_format, peak_tflops
 from callbacks.run_folder import log_metrics, write_json
+from lit_fsdp.device_peaks import matmul_format, peak_tflops
 from lit_fsdp.flops import flops_per_token, matmul_shape, recompute_flops_per_token
 
 
@@ -36,7 +36,7 @@ def compute_dtype(trainer: pl.Trainer) -> torch.dtype:
     return torch.float16 if precision.startswith("16") else torch.float32
 
 
-#: The progress bar's tokens/s (also logged every ``log_every_n_steps``): the mean over the last steps, warm-up included.
+#: The progress bar's ``tok/s`` (also logged every ``log_every_n_steps``): the mean over the last steps, warm-up included.
 RUNNING_KEY = "perf/tokens_per_s_running"
 RUNNING_STEPS = 10
 
@@ -49,11 +49,12 @@ class Throughput(pl.Callback):
 
     MFU is ``flops_per_token x tokens/s per device / peak``: FLOPs from the model's config
     (``lit_fsdp.flops``, activation-checkpointing recompute not counted; ``hfu`` counts it) and the
-    peak of the GPU at the strategy's ``param_dtype`` (``callbacks.device_peaks``) or ``peak_tflops``.
-    Without a known peak (CPU, an unlisted GPU) MFU is null and rank 0 warns once.
+    peak of the GPU at the strategy's ``param_dtype`` (``lit_fsdp.device_peaks``) or ``peak_tflops``.
+    Without a known peak (CPU, an unlisted GPU) MFU is null and rank 0 says so in one info line: expected
+    on a CPU, so not a warning.
 
-    While training, the tokens/s of the last ``RUNNING_STEPS`` steps show in the progress bar as
-    ``perf/tokens_per_s_running``. The run's figures are logged as ``perf/*`` at the end of fit and
+    While training, the tokens/s of the last ``RUNNING_STEPS`` steps are logged as ``perf/tokens_per_s_running``
+    and show in the progress bar as ``tok/s``. The run's figures are logged as ``perf/*`` at the end of fit and
     written by rank 0 to ``<default_root_dir>/throughput.json``.
     """
 
@@ -109,7 +110,7 @@ class Throughput(pl.Callback):
                     "(TFLOPS of one device)"
                 )
         if problems:
-            rank_zero_warn(f"Throughput: MFU is null: {'; '.join(problems)}")
+            rank_zero_info(f"Throughput: MFU is null: {'; '.join(problems)}")
         self._sync(pl_module.device)
         self._start = time.perf_counter()
 

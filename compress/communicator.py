@@ -7,38 +7,49 @@ hands over a flat gradient laid out as ``[world, shard]``; row ``d`` is what ran
   same seed on every rank, so the payloads line up element by element and one native
   ``reduce_scatter_tensor`` per payload tensor sums them on the wire.
 - All others cannot be added on the wire (each rank has its own scales, indices or factors): each rank
-  sends row ``d``'s payload to rank ``d`` with ``all_to_all_single`` (sizes first, then bytes), and the
-  receiver decompresses every source's payload and sums in float32.
+  sends row ``d``'s payload to rank ``d`` with ``all_to_all_single``, and the receiver decompresses every
+  source's payload and sums in float32, in rank order.
 
 All-reduce over the replicate dimension of NO_SHARD / HYBRID_SHARD (``CompressedAllReduce``, set with
 ``FSDPModule.set_all_reduce_hook``): FSDP then runs on the shard sub-mesh and this hook averages the
 reduced shard across replicas, natively for linear payloads and by ``all_gather`` of payloads otherwise.
+Every replica decodes the same gathered bytes and adds them in rank order, so all replicas get the same
+bits (float addition is not associative: any other order lets replicas drift apart).
+
+No hook call waits for the device. Payloads travel without headers (``compress.payload``: the receiver
+knows their layout); a variable-size compressor's kept counts are exchanged on the device and read to
+the host once per call, the one wait such a method needs to size its buffers. Time is measured with
+device events (``compress.timing``) and non-finite counts and sampled errors stay on the device until
+``CommStats.take`` reads them, once a step.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import time
 import zlib
 from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from compress.payload import SCALAR_BYTES, Compressor, Payload
-from compress.sparsify import BITMAP, POSITIONS, _Sparsifier, count
+from compress.payload import (
+    SCALAR_BYTES, Compressor, Payload, is_variable_size, layout_nbytes, layout_of, nbytes, pack, unpack,
+)
+from compress.timing import DeviceClock
+from compress.torch_compat import ReduceScatter, all_gather_bytes
 
 
 @dataclass
 class CommStats:
-    """Counters of one rank, summed over all hooks (``buffer_bytes``: the maximum); ``take()`` returns and clears them."""
+    """Counters of one rank, summed over all hooks (``buffer_bytes``: the maximum); ``take()`` returns and clears them.
+
+    Times, the non-finite count and the sampled sums are gathered on the device while hooks run and
+    read by ``take()``, once a step, so that no hook call waits for the device.
+    """
 
     calls: int = 0
     numel: int = 0
     bytes_raw: int = 0  # what the uncompressed float32 collective would send from this rank
-    bytes_sent: int = 0  # what was sent, payloads plus headers plus size exchanges
+    bytes_sent: int = 0  # what was sent, payloads plus count exchanges
     bytes_index: int = 0
     compress_s: float = 0.0
     decompress_s: float = 0.0
@@ -58,102 +69,91 @@ class CommStats:
     sample_est_sq: float = 0.0  # ||estimate||^2
 
     def __post_init__(self) -> None:
-        # A switch, not a counter, so take() leaves it: CompressionStats turns it on for the steps it samples.
+        # Not counters, so take() leaves them: CompressionStats turns sampling on for the steps it samples.
         self.sampling = False
+        self.clock = DeviceClock()
+        self.hooks: list[HookCounters] = []  # each hook's device counters (see HookCounters)
+        self._taken = [0.0] * 5  # run totals (non-finite, the four sample sums) already returned by take()
+
+    def new_hook(self) -> HookCounters:
+        """Device counters for one more hook."""
+        self.hooks.append(HookCounters())
+        return self.hooks[-1]
+
+    def _device_totals(self) -> torch.Tensor | None:
+        """The run totals of every hook (non-finite, sample sums) as one float64 tensor, summed on the current stream."""
+        started = [hook.totals for hook in self.hooks if hook.totals is not None]
+        if not started:
+            return None
+        return torch.stack([totals.to(started[0].device) for totals in started]).sum(0)
+
+    def nonfinite_total(self) -> torch.Tensor | None:
+        """Non-finite values seen this run, as a device tensor (None before any hook ran): the guard reads it."""
+        totals = self._device_totals()
+        return None if totals is None else totals[0]
 
     def take(self) -> dict[str, float]:
+        """Every counter since the last take, then zero: waits for the device once (times) and reads it once."""
+        for name, seconds in self.clock.read().items():
+            setattr(self, name, getattr(self, name) + seconds)
+        totals = self._device_totals()
+        if totals is not None:
+            read = totals.tolist()
+            new = [total - taken for total, taken in zip(read, self._taken)]
+            self._taken = read
+            self.nonfinite += round(new[0])
+            self.sample_err_sq += new[1]
+            self.sample_ref_sq += new[2]
+            self.sample_dot += new[3]
+            self.sample_est_sq += new[4]
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         for f in fields(self):
             setattr(self, f.name, type(getattr(self, f.name))())
         return values
 
 
-_SET_BITS = torch.tensor([bin(byte).count("1") for byte in range(256)], dtype=torch.int64)
+class HookCounters:
+    """One hook's run totals on the device: non-finite values, and the four sums of sampled steps (float64).
 
-
-def kept_values(compressor: Compressor, payload: Payload) -> int:
-    """Elements of ``payload`` that carry a value: the k kept by a sparsifier, all ``numel`` for every other method.
-
-    Quantisers, the count-sketch and low rank encode every element (density 1.0). Read from the index
-    encoding, so a sparsifier whose values are quantised (and bit-packed) is counted exactly too.
+    Made at the hook's first call on the stream it runs on and only added to in place there, so that hooks
+    on different streams (HYBRID_SHARD's reduce-scatter and all-reduce) never touch the same memory;
+    ``CommStats`` sums them on the default stream, which FSDP2 makes wait for every hook's stream.
     """
-    sparsifier = getattr(compressor, "inner", compressor)  # under error feedback
-    sparsifier = getattr(sparsifier, "sparsifier", sparsifier)  # sparsify-then-quantize
-    if not isinstance(sparsifier, _Sparsifier):
-        return payload.numel
-    if POSITIONS in payload.tensors:
-        return payload.tensors[POSITIONS].numel()
-    if BITMAP in payload.tensors:  # a popcount; the padding bits of the last byte are zero
-        bitmap = payload.tensors[BITMAP]
-        return int(_SET_BITS.to(bitmap.device)[bitmap.long()].sum())
-    return count(payload.numel, sparsifier.ratio, sparsifier.k)  # random-k: positions come from the seed
+
+    def __init__(self) -> None:
+        self.totals: torch.Tensor | None = None
+
+    def _totals(self, device: torch.device) -> torch.Tensor:
+        if self.totals is None:
+            self.totals = torch.zeros(5, dtype=torch.float64, device=device)
+        return self.totals
+
+    def count_nonfinite(self, count: torch.Tensor) -> None:
+        """Add a device count of non-finite values (no host read)."""
+        self._totals(count.device)[0].add_(count)
+
+    def add_samples(self, sums: torch.Tensor) -> None:
+        """Add a sampled call's (err_sq, ref_sq, dot, est_sq) float64 sums, on the device."""
+        self._totals(sums.device)[1:].add_(sums)
 
 
-def _nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def kept_values(payload: Payload) -> int:
+    """Elements of ``payload`` that carry a value: the k a sparsifier kept, all ``numel`` for every other method.
+
+    Quantisers, the count-sketch and low rank encode every element (density 1.0). Known on the host
+    (``Payload.kept``), so counting needs no read of the index encoding.
+    """
+    return payload.numel if payload.kept is None else payload.kept
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Timer:
-    """Wall time of a block, device-synchronised so asynchronous kernels are counted where they run."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds = 0.0
-
-    def __enter__(self) -> "_Timer":
-        _sync(self.device)
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _sync(self.device)
-        self.seconds = time.perf_counter() - self._start
-
-
-def serialize(payload: Payload) -> torch.Tensor:
-    """Payload as one uint8 buffer: a JSON header (names, dtypes, shapes, scalars), then raw tensor bytes."""
-    layout = {
-        "t": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in payload.tensors.items()],
-        "s": payload.scalars,
-        "i": list(payload.index_names),
-    }
-    header = json.dumps(layout, separators=(",", ":")).encode()
-    device = next(iter(payload.tensors.values())).device if payload.tensors else torch.device("cpu")
-    parts = [torch.tensor(list(len(header).to_bytes(4, "little")) + list(header), dtype=torch.uint8, device=device)]
-    parts += [t.contiguous().view(-1).view(torch.uint8) for t in payload.tensors.values()]
-    return torch.cat(parts)
-
-
-def deserialize(buffer: torch.Tensor, numel: int) -> Payload:
-    header_len = int.from_bytes(bytes(buffer[:4].tolist()), "little")
-    layout = json.loads(bytes(buffer[4 : 4 + header_len].tolist()).decode())
-    offset = 4 + header_len
-    tensors = {}
-    for name, dtype_name, shape in layout["t"]:
-        dtype = getattr(torch, dtype_name)
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        # A copy: a slice at an odd byte offset cannot be viewed as a wider dtype.
-        tensors[name] = buffer[offset : offset + nbytes].clone().view(dtype).view(shape)
-        offset += nbytes
-    return Payload(numel=numel, tensors=tensors, scalars=layout["s"], index_names=tuple(layout["i"]))
-
-
-def screen(tensor: torch.Tensor, stats: CommStats) -> torch.Tensor:
-    """Non-finite gradient values are counted (the strategy's guard reads the count) and replaced by zeros rather than sent."""
+def screen(tensor: torch.Tensor, counters: HookCounters) -> torch.Tensor:
+    """Non-finite gradient values are counted on the device (the strategy's guard reads the count) and sent as zeros."""
     finite = torch.isfinite(tensor)
-    bad = int(finite.numel() - finite.sum())
-    if bad:
-        stats.nonfinite += bad
-        tensor = torch.where(finite, tensor, torch.zeros_like(tensor))
-    return tensor
+    counters.count_nonfinite(finite.numel() - finite.sum())
+    return torch.where(finite, tensor, 0.0)
 
 
-def _apply_op(result: torch.Tensor, op: object, world: int, prescaled: bool) -> torch.Tensor:
+def apply_op(result: torch.Tensor, op: object, world: int, prescaled: bool) -> torch.Tensor:
     """``result`` is the sum over ranks (or the mean, when inputs were ``prescaled`` by 1/world)."""
     if op == dist.ReduceOp.AVG:
         return result if prescaled else result / world
@@ -162,30 +162,80 @@ def _apply_op(result: torch.Tensor, op: object, world: int, prescaled: bool) -> 
     raise ValueError(f"compressed reduce-scatter supports ReduceOp SUM and AVG, got {op}; do not set a gradient divide factor")
 
 
-class _PayloadMover:
-    """What both hooks share: the compressor, the counters, non-finite screening and per-call seeds."""
+class RestoredState:
+    """Compressor state loaded from a checkpoint, adopted by each stream that uses it at its hooks' first calls.
 
-    def __init__(self, compressor: Compressor, stats: CommStats, name: str):
+    Loaded tensors are allocated on the default stream; FSDP2 runs the hooks on its reduce-scatter and
+    all-reduce streams. Each hook, at its first call after a load, records the tensors as used by its
+    stream, so that the caching allocator does not hand their memory to the default stream while that
+    stream still reads them (when a hook replaces a residual, the old one is freed). Once every hook has
+    done so, the list is dropped, and with it the last reference to state the compressor has replaced.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self._hooks = 0  # hooks registered
+        self._pending: set[int] = set()  # hooks that have not adopted since the last load
+
+    def register(self) -> int:
+        """A number for one more hook."""
+        self._hooks += 1
+        return self._hooks - 1
+
+    def load(self, tensors: list[torch.Tensor]) -> None:
+        """The compressor's tensors after a load (only CUDA ones matter)."""
+        self.tensors = [t for t in tensors if t.is_cuda]
+        self._pending = set(range(self._hooks)) if self.tensors else set()
+
+    def adopt(self, hook: int) -> None:
+        if hook not in self._pending:
+            return
+        self._pending.discard(hook)
+        for tensor in self.tensors:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+        if not self._pending:
+            self.tensors = []
+
+
+class PayloadMover:
+    """What the hooks share: the compressor, the counters, non-finite screening, per-call seeds and timing."""
+
+    def __init__(self, compressor: Compressor, stats: CommStats, name: str, restored: RestoredState | None = None):
         self.compressor = compressor
         self.stats = stats
         self.name = name
+        self.restored = restored or RestoredState()
+        self._hook = self.restored.register()
+        self.counters = stats.new_hook()
         self._base_seed = zlib.crc32(name.encode())
         self.calls = 0  # kept in checkpoints: a resumed run draws the seeds the uninterrupted one would
 
     def next_seed(self) -> int:
-        # Every rank runs the same hooks in the same order, so the call count agrees across ranks.
+        """The next call's seed; every rank runs the same hooks in the same order, so it agrees across ranks."""
+        self.restored.adopt(self._hook)
         self.calls += 1
         return self._base_seed * 1_000_003 + self.calls * 1009
 
     def screen(self, tensor: torch.Tensor) -> torch.Tensor:
-        return screen(tensor, self.stats)
+        return screen(tensor, self.counters)
 
-    def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
-        with _Timer(tensor.device) as timer:
-            payload = self.compressor.compress(tensor, key, seed)
-        self.stats.compress_s += timer.seconds
-        self.stats.values_sent += kept_values(self.compressor, payload)
+    def timed(self, counter: str, device: torch.device):
+        """A block whose device time is added to ``counter`` (``compress_s``, ``decompress_s``, ...)."""
+        return self.stats.clock.time(counter, device)
+
+    def compress(self, tensor: torch.Tensor, key: str, seed: int, kept: int | None = None) -> Payload:
+        with self.timed("compress_s", tensor.device):
+            if kept is None:
+                payload = self.compressor.compress(tensor, key, seed)
+            else:
+                payload = self.compressor.compress(tensor, key, seed, kept=kept)
+        self.stats.values_sent += kept_values(payload)
         return payload
+
+    def kept_counts(self, rows: list[torch.Tensor], keys: list[str]) -> torch.Tensor:
+        """A variable-size compressor's count for each row, as one int64 device tensor."""
+        with self.timed("compress_s", rows[0].device):
+            return torch.stack([self.compressor.kept_count(row, key) for row, key in zip(rows, keys)]).long()
 
     def sample(self, payloads: list[Payload], inputs: list[torch.Tensor]) -> None:
         """On a sampled step, decode this rank's own ``payloads`` and compare them with the ``inputs`` they came from.
@@ -204,39 +254,55 @@ class _PayloadMover:
                 (estimate - reference).square().sum(), reference.square().sum(),
                 (estimate * reference).sum(), estimate.square().sum(),
             ]).double()
-        err_sq, ref_sq, dot, est_sq = sums.tolist()  # one device sync for the whole call
-        self.stats.sample_err_sq += err_sq
-        self.stats.sample_ref_sq += ref_sq
-        self.stats.sample_dot += dot
-        self.stats.sample_est_sq += est_sq
+        self.counters.add_samples(sums)
 
-    def hold(self, nbytes: int) -> None:
+    def hold(self, size: int) -> None:
         """Record one call's send and receive buffers; the stats keep the largest call's."""
-        self.stats.buffer_bytes = max(self.stats.buffer_bytes, nbytes)
+        self.stats.buffer_bytes = max(self.stats.buffer_bytes, size)
 
     def decompress(self, payloads: list[Payload], device: torch.device) -> torch.Tensor:
-        """The float32 sum of the decompressed payloads."""
-        with _Timer(device) as timer:
+        """The float32 sum of the decompressed payloads, added in the order given (rank order: see the module docstring)."""
+        with self.timed("decompress_s", device):
             total = self.compressor.decompress(payloads[0]).float()
             for payload in payloads[1:]:
                 total = total + self.compressor.decompress(payload)
-        self.stats.decompress_s += timer.seconds
         return total
 
     def collective(self, fn, *args, extra: bool, **kwargs) -> None:
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        with _Timer(device) as timer:
+        if not extra:
             fn(*args, **kwargs)
-        if extra:
-            self.stats.extra_collectives += 1
-            self.stats.extra_collective_s += timer.seconds
+            return
+        self.stats.extra_collectives += 1
+        with self.timed("extra_collective_s", device):
+            fn(*args, **kwargs)
+
+    def read_counts(self, *counts: torch.Tensor) -> list[list[int]]:
+        """Exchanged kept counts on the host: the one read a variable-size method makes per call."""
+        flat = torch.cat([c.reshape(-1) for c in counts]).tolist()
+        out, offset = [], 0
+        for c in counts:
+            out.append(flat[offset : offset + c.numel()])
+            offset += c.numel()
+        return out
+
+
+def keep_alive(reduce_output: torch.Tensor) -> None:
+    """Record an all-reduce hook's input as used by the hook's stream.
+
+    FSDP2 allocates it on the reduce-scatter stream and, when it casts the result to another dtype, drops its
+    last reference once the hook has been queued: without this its memory could be reused while the hook's
+    kernels still read it.
+    """
+    if reduce_output.is_cuda:
+        reduce_output.record_stream(torch.cuda.current_stream(reduce_output.device))
 
 
 class CompressedReduceScatter(ReduceScatter):
     """FSDP2 reduce-scatter of compressed gradient rows (see the module docstring for the two paths)."""
 
-    def __init__(self, compressor: Compressor, stats: CommStats, name: str):
-        self.mover = _PayloadMover(compressor, stats, name)
+    def __init__(self, compressor: Compressor, stats: CommStats, name: str, restored: RestoredState | None = None):
+        self.mover = PayloadMover(compressor, stats, name, restored)
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -244,21 +310,34 @@ class CompressedReduceScatter(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         mover, stats = self.mover, self.mover.stats
         world, rank = group.size(), group.rank()
-        rows = mover.screen(input_tensor.float()).view(world, -1)
         seed = mover.next_seed()
+        rows = mover.screen(input_tensor.float()).view(world, -1)
         stats.calls += 1
         stats.numel += rows.numel()
         stats.bytes_raw += (world - 1) * rows.shape[1] * 4
+        keys = [f"{mover.name}/{d}" for d in range(world)]
         if mover.compressor.linear:
             rows = rows / world  # average on the wire: the sum of fp16 payloads cannot overflow
-        payloads = [mover.compress(rows[d], f"{mover.name}/{d}", seed + d) for d in range(world)]
+        kept = theirs = [None] * world
+        if is_variable_size(mover.compressor):
+            kept, theirs = self._exchange_counts(mover.kept_counts(list(rows), keys), group)
+        payloads = [mover.compress(rows[d], keys[d], seed + d, kept[d]) for d in range(world)]
         mover.sample(payloads, list(rows))
         if mover.compressor.linear:
             result = mover.decompress([self._reduce_scatter_payloads(payloads, group, rank)], rows.device)
         else:
-            result = mover.decompress(self._all_to_all(payloads, group, rank, rows.shape[1]), rows.device)
-        output_tensor.copy_(_apply_op(result, op, world, prescaled=mover.compressor.linear))
+            result = mover.decompress(self._all_to_all(payloads, theirs, group, rank), rows.device)
+        output_tensor.copy_(apply_op(result, op, world, prescaled=mover.compressor.linear))
         return None
+
+    def _exchange_counts(self, counts: torch.Tensor, group) -> tuple[list[int], list[int]]:
+        """This rank's count per destination row, and every source's count for this rank's row (one host read)."""
+        mover, world = self.mover, group.size()
+        received = torch.empty_like(counts)
+        mover.collective(dist.all_to_all_single, received, counts, group=group, extra=True)
+        mover.stats.bytes_sent += (world - 1) * 8
+        mine, theirs = mover.read_counts(counts, received)
+        return mine, theirs
 
     def _reduce_scatter_payloads(self, payloads: list[Payload], group, rank: int) -> Payload:
         mover, stats = self.mover, self.mover.stats
@@ -270,75 +349,96 @@ class CompressedReduceScatter(ReduceScatter):
             out = stacked.new_empty(stacked.numel() // world)
             mover.collective(dist.reduce_scatter_tensor, out, stacked, op=dist.ReduceOp.SUM, group=group, extra=index > 0)
             summed[name] = out.view(shape)
-            held += _nbytes(stacked, out)
+            held += nbytes(stacked, out)
         mover.hold(held)
         mine = payloads[rank]
         # Scalars (seeds) are equal on all ranks and derived from the shared call count: not sent again.
         stats.bytes_sent += (world - 1) * (mine.nbytes - SCALAR_BYTES * len(mine.scalars))
         stats.bytes_index += (world - 1) * mine.index_nbytes
-        return Payload(numel=mine.numel, tensors=summed, scalars=mine.scalars, index_names=mine.index_names)
+        return Payload(mine.numel, summed, mine.scalars, mine.index_names, mine.kept)
 
-    def _all_to_all(self, payloads: list[Payload], group, rank: int, numel: int) -> list[Payload]:
-        mover, stats = self.mover, self.mover.stats
-        buffers = [serialize(p) if d != rank else None for d, p in enumerate(payloads)]
-        device = next(b.device for b in buffers if b is not None)
-        send_sizes = torch.tensor([0 if b is None else b.numel() for b in buffers], dtype=torch.int64, device=device)
-        recv_sizes = torch.empty_like(send_sizes)
-        mover.collective(dist.all_to_all_single, recv_sizes, send_sizes, group=group, extra=True)
-        send = torch.cat([b for b in buffers if b is not None])
-        recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=device)
-        mover.collective(
-            dist.all_to_all_single, recv, send,
-            output_split_sizes=recv_sizes.tolist(), input_split_sizes=send_sizes.tolist(), group=group, extra=False,
-        )
-        mover.hold(_nbytes(*(b for b in buffers if b is not None), send, recv, send_sizes, recv_sizes))
-        stats.bytes_sent += int(send_sizes.sum()) + send_sizes.numel() * 8
+    def _all_to_all(self, payloads: list[Payload], theirs: list[int | None], group, rank: int) -> list[Payload]:
+        """Row ``d``'s payload to rank ``d``; every source's payload for this rank's row, in rank order."""
+        mover, stats, world = self.mover, self.mover.stats, len(payloads)
+        mine = payloads[rank]
+        if theirs[0] is None:  # fixed size: every source's payload for this row is laid out as this rank's own
+            layouts = [(layout_of(mine), mine)] * world
+        else:
+            layouts = [mover.compressor.layout(mine.numel, count) for count in theirs]
+        send_sizes = [0 if d == rank else nbytes(*p.tensors.values()) for d, p in enumerate(payloads)]
+        recv_sizes = [0 if s == rank else layout_nbytes(layout) for s, (layout, _) in enumerate(layouts)]
+        send = torch.cat([pack(p) for d, p in enumerate(payloads) if d != rank])
+        recv = send.new_empty(sum(recv_sizes))
+        mover.collective(dist.all_to_all_single, recv, send, output_split_sizes=recv_sizes,
+                         input_split_sizes=send_sizes, group=group, extra=False)
+        mover.hold(nbytes(send, recv))
+        stats.bytes_sent += sum(send_sizes)
         stats.bytes_index += sum(p.index_nbytes for d, p in enumerate(payloads) if d != rank)
-        received = [payloads[rank]]
-        for source, chunk in enumerate(torch.split(recv, recv_sizes.tolist())):
-            if source != rank:
-                received.append(deserialize(chunk, numel))
-        return received
+        chunks = torch.split(recv, recv_sizes)
+        return [mine if s == rank else unpack(chunks[s], layout, like) for s, (layout, like) in enumerate(layouts)]
 
 
 class CompressedAllReduce:
-    """All-reduce hook for the replicate dimension: averages a reduced shard across replicas."""
+    """All-reduce hook for the replicate dimension: averages a reduced shard across replicas (bit-identical on each)."""
 
-    def __init__(self, compressor: Compressor, stats: CommStats, name: str, group: dist.ProcessGroup):
-        self.mover = _PayloadMover(compressor, stats, name)
+    def __init__(self, compressor: Compressor, stats: CommStats, name: str, group: dist.ProcessGroup,
+                 restored: RestoredState | None = None):
+        self.mover = PayloadMover(compressor, stats, name, restored)
         self.group = group
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         mover, stats, group = self.mover, self.mover.stats, self.group
         world = group.size()
-        flat = mover.screen(reduce_output.float()).view(-1)
+        keep_alive(reduce_output)
         seed = mover.next_seed()
+        flat = mover.screen(reduce_output.float()).view(-1)
+        key = f"{mover.name}/ar"
         stats.calls += 1
         stats.numel += flat.numel()
         stats.bytes_raw += 2 * (world - 1) * flat.numel() * 4 // world  # a ring all-reduce
         if mover.compressor.linear:
             scaled = flat / world
-            payload = mover.compress(scaled, f"{mover.name}/ar", seed)
+            payload = mover.compress(scaled, key, seed)
             mover.sample([payload], [scaled])
-            mover.hold(_nbytes(*payload.tensors.values()))  # reduced in place
+            mover.hold(nbytes(*payload.tensors.values()))  # reduced in place
             for index, tensor in enumerate(payload.tensors.values()):
                 mover.collective(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=group, extra=index > 0)
             stats.bytes_sent += 2 * (world - 1) * (payload.nbytes - SCALAR_BYTES * len(payload.scalars)) // world
             result = mover.decompress([payload], flat.device)
         else:
-            payload = mover.compress(flat, f"{mover.name}/ar", seed + group.rank())
-            mover.sample([payload], [flat])
-            buffer = serialize(payload)
-            sizes = [torch.zeros(1, dtype=torch.int64, device=flat.device) for _ in range(world)]
-            mover.collective(dist.all_gather, sizes, torch.tensor([buffer.numel()], device=flat.device), group=group, extra=True)
-            longest = int(max(s.item() for s in sizes))
-            gathered = [torch.empty(longest, dtype=torch.uint8, device=flat.device) for _ in range(world)]
-            padded = torch.nn.functional.pad(buffer, (0, longest - buffer.numel()))
-            mover.collective(dist.all_gather, gathered, padded, group=group, extra=False)
-            mover.hold(_nbytes(buffer, padded, *gathered, *sizes))
-            stats.bytes_sent += (world - 1) * (longest + 8)
-            stats.bytes_index += (world - 1) * payload.index_nbytes
-            me = group.rank()
-            payloads = [payload] + [deserialize(g[: int(s.item())], flat.numel()) for i, (g, s) in enumerate(zip(gathered, sizes)) if i != me]
-            result = mover.decompress(payloads, flat.device) / world
+            result = mover.decompress(self._gather(flat, key, seed), flat.device) / world
         reduce_output.copy_(result.view_as(reduce_output))
+
+    def _gather(self, flat: torch.Tensor, key: str, seed: int) -> list[Payload]:
+        """Every replica's payload, in rank order, decoded from the same gathered bytes on every rank.
+
+        Every rank compresses with the same seed (private randomness is salted by the rank), so a
+        fixed-size payload has the same layout everywhere and needs no size exchange.
+        """
+        mover, stats, group = self.mover, self.mover.stats, self.group
+        world = group.size()
+        counts: list[int | None] = [None] * world
+        kept = None
+        if is_variable_size(mover.compressor):
+            mine = mover.kept_counts([flat], [key])
+            everyone = mine.new_empty(world)
+            mover.collective(dist.all_gather_into_tensor, everyone, mine, group=group, extra=True)
+            (counts,) = mover.read_counts(everyone)
+            kept = counts[group.rank()]
+            stats.bytes_sent += (world - 1) * 8
+        payload = mover.compress(flat, key, seed, kept)
+        mover.sample([payload], [flat])
+        if kept is None:
+            layouts = [(layout_of(payload), payload)] * world
+        else:
+            layouts = [mover.compressor.layout(flat.numel(), count) for count in counts]
+        longest = max(layout_nbytes(layout) for layout, _ in layouts)
+        local = pack(payload)
+        local = torch.nn.functional.pad(local, (0, longest - local.numel()))
+        gathered = local.new_empty(world * longest)
+        mover.collective(all_gather_bytes, gathered, local, group=group, extra=False)
+        mover.hold(nbytes(local, gathered))
+        stats.bytes_sent += (world - 1) * longest
+        stats.bytes_index += (world - 1) * payload.index_nbytes
+        parts = gathered.view(world, longest)
+        return [unpack(parts[s], layout, like) for s, (layout, like) in enumerate(layouts)]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+import torch
+
 from compress.dgc import DeepGradientCompression
 from compress.error_feedback import ErrorFeedback
 from compress.lowrank import LowRank
@@ -46,7 +48,10 @@ METHODS: dict[str, Method] = {
         "k shared-seed random coordinates, values only (native reduce-scatter)",
         {"ratio": 0.01, "k": None, "rescale": True}, RandomK,
     ),
-    "thresholdv": Method("coordinates with magnitude >= threshold", {"threshold": 1e-3}, ThresholdV),
+    "thresholdv": Method(
+        "coordinates with magnitude >= threshold; or density=: each chunk's threshold set so about that share is sent",
+        {"threshold": 1e-3, "density": None}, ThresholdV,
+    ),
     "sketch": Method(
         "Sketched-SGD in two rounds: summed count sketches pick candidates, their exact values follow; error feedback built in",
         {"ratio": 0.1, "rows": 5, "heavy_ratio": 0.01}, SketchedSGD, feedback=False,
@@ -66,6 +71,10 @@ PARAM_GATHER_METHODS = ("int8", "fp8", "bf16", "fp16")
 #: topk's Deep Gradient Compression options and their "off" values: they wrap topk, they do not build it
 DGC_OPTIONS = {"momentum": 0.0, "clip_norm": None, "warmup_steps": 0}
 _RANDOMISED = {"qsgd", "natural"}  # draw private random numbers: salted with the rank
+#: what error feedback (and DGC's velocities) may be kept in between steps; the arithmetic is float32 either way
+RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: methods whose own state holds a float32 residual per gradient element (error feedback built in)
+_BUILT_IN_RESIDUAL = ("powersgd", "sketch")
 
 
 @dataclass
@@ -92,6 +101,8 @@ class CompressionConfig:
     """randomk: scale kept values by n/k so the estimate is unbiased"""
     threshold: float | None = None
     """thresholdv: keep coordinates with magnitude at least this"""
+    density: float | None = None
+    """thresholdv: instead of a threshold, the share of each chunk to send (its threshold follows the gradients' scale)"""
     rows: int | None = None
     """sketch: hash rows"""
     heavy_ratio: float | None = None
@@ -113,6 +124,9 @@ class CompressionConfig:
     """topk (DGC): clip each chunk's local gradient to this L2 norm before it is accumulated"""
     warmup_steps: int | None = None
     """topk (DGC): steps from dense to the target ratio, exponentially (0: the target from the start)"""
+    residual_dtype: str = "float32"
+    """error feedback: dtype the residuals (and DGC's velocities) are kept in between steps, float32 or bfloat16
+    (half their memory, a whole model's worth per GPU; the arithmetic stays float32)"""
 
     def parameters(self) -> dict[str, Any]:
         """The method's parameters: its defaults, overridden by what was set."""
@@ -121,6 +135,8 @@ class CompressionConfig:
         values = {**method.defaults, **{key: value for key, value in given.items() if value is not None}}
         if "k" in values and given.get("k") is not None and given.get("ratio") is None:
             values["ratio"] = None
+        if "density" in values and given.get("density") is not None and given.get("threshold") is None:
+            values["threshold"] = None
         return values
 
     def build(self, rank: int) -> Compressor | None:
@@ -128,12 +144,14 @@ class CompressionConfig:
         method = self._method(self.method, "method")
         foreign = [
             f.name for f in fields(self)
-            if f.name not in ("method", "error_feedback", "quantize", "param_all_gather") and f.name not in method.defaults
+            if f.name not in ("method", "error_feedback", "quantize", "param_all_gather", "residual_dtype")
+            and f.name not in method.defaults
             and getattr(self, f.name) is not None
         ]
         if foreign:
             raise ValueError(f"compression parameter {foreign[0]} does not apply to method {self.method!r}; "
                              f"it takes {', '.join(method.defaults) or 'no parameters'}")
+        residual_dtype = RESIDUAL_DTYPES[self._residual_dtype()]
         parameters = self.parameters()
         dgc = {name: parameters.pop(name) for name in DGC_OPTIONS if name in parameters}
         compressor = _build(self.method, parameters, rank)
@@ -148,7 +166,8 @@ class CompressionConfig:
                 kind = {"none": "no compression", "powersgd": built_in, "sketch": built_in}.get(self.method, "unbiased")
                 raise ValueError(f"error_feedback needs a biased method; {self.method!r} is {kind}: set error_feedback false")
             dgc_on = {name: value for name, value in dgc.items() if value != DGC_OPTIONS[name]}
-            compressor = DeepGradientCompression(compressor, **dgc) if dgc_on else ErrorFeedback(compressor)
+            compressor = (DeepGradientCompression(compressor, **dgc, residual_dtype=residual_dtype) if dgc_on
+                          else ErrorFeedback(compressor, residual_dtype=residual_dtype))
         elif any(value != DGC_OPTIONS[name] for name, value in dgc.items()):
             raise ValueError("topk: momentum, clip_norm and warmup_steps (DGC) accumulate what is not sent: "
                              "set error_feedback true")
@@ -162,6 +181,48 @@ class CompressionConfig:
             raise ValueError(f"param_all_gather: {self.param_all_gather!r} is not one of {', '.join(PARAM_GATHER_METHODS)} "
                              "(deterministic quantisers, so every rank decodes the same weights)")
         return _build(self.param_all_gather, METHODS[self.param_all_gather].defaults, rank=0)
+
+    def state_bytes_per_param(self, rows: int) -> float:
+        """Bytes this rank's compressor keeps from one step to the next per element of a gradient it compresses.
+
+        The one place the tuner's memory estimate and the strategy's preflight read it from. Error feedback: a
+        residual per element, 4 bytes (2 with ``residual_dtype: bfloat16``); DGC with momentum: a velocity as
+        well (8, or 4); PowerSGD: a float32 residual and its warm-start Q, ``cols x rank`` per ``rows x cols``
+        matrix (4 + 4 rank / rows, ``rows`` the smallest gradient matrix's: e.g. the hidden size); Sketched-SGD:
+        a float32 residual (4); anything without error feedback: 0. lowrank's per-chunk Q (about 4 rank / sqrt(n)
+        per element) is left out.
+        """
+        if self.method == "powersgd":
+            return 4 + 4 * self.parameters()["rank"] / rows
+        if self.method == "sketch":
+            return 4
+        if not self.error_feedback:
+            return 0
+        residual = RESIDUAL_DTYPES[self._residual_dtype()].itemsize
+        return residual * (2 if self.parameters().get("momentum") else 1)
+
+    def state_bytes(self, parameters: int, shard: int, replicas: int, rows: int) -> int:
+        """Bytes one rank's compressor keeps between steps for a model of ``parameters`` on a ``replicas`` x ``shard`` mesh.
+
+        The reduce-scatter hook (``shard`` > 1) compresses each unit's whole unsharded gradient, the world x
+        shard input of the collective: every rank holds state for all ``parameters``, however many ranks share
+        them. The replicate all-reduce hook (``replicas`` > 1: NO_SHARD, HYBRID_SHARD) compresses this rank's
+        reduced shard: ``parameters / shard`` more.
+        """
+        if self.method == "none":
+            return 0
+        elements = parameters * (shard > 1) + parameters // shard * (replicas > 1)
+        return int(self.state_bytes_per_param(rows) * elements)
+
+    def _residual_dtype(self) -> str:
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"compression residual_dtype {self.residual_dtype!r} is not one of {', '.join(RESIDUAL_DTYPES)}")
+        if self.residual_dtype != "float32" and not self.error_feedback:
+            built_in = self.method in _BUILT_IN_RESIDUAL
+            why = f"{self.method!r} keeps its built-in residuals in float32" if built_in else "error_feedback is false"
+            raise ValueError(f"compression residual_dtype {self.residual_dtype} stores error-feedback residuals, but {why}; "
+                             "set residual_dtype float32")
+        return self.residual_dtype
 
     @property
     def active(self) -> bool:
@@ -193,6 +254,7 @@ def describe_methods() -> str:
     lines.append("error_feedback: true for every method but none, qsgd, natural and rescaled randomk (unbiased) and "
                  "powersgd and sketch (built in)")
     lines.append("topk with error_feedback: true and momentum, clip_norm or warmup_steps: Deep Gradient Compression")
+    lines.append("residual_dtype: float32 | bfloat16 keeps error-feedback residuals (and DGC velocities) in half the memory")
     lines.append(f"param_all_gather: {' | '.join(PARAM_GATHER_METHODS)} quantises FSDP2's parameter all-gather")
     lines.append(f"composite: a sparsifier ({', '.join(SPARSIFIERS)}) with quantize: {' | '.join(QUANTIZERS)}")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ Plain error feedback accumulates the gradients top-k left out. DGC accumulates t
 ``u`` where it sent (momentum factor masking), so stale momentum does not push coordinates that were
 already applied. Each chunk's gradient is clipped to ``clip_norm`` before it is accumulated, and the
 density starts dense and falls exponentially to the target over ``warmup_steps`` calls per chunk.
+Velocities and accumulations are kept in ``residual_dtype`` between calls and computed in float32.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def warmup_density(target: float, step: int, warmup_steps: int) -> float:
 class DeepGradientCompression(ErrorFeedback):
     """Top-k (optionally quantised, ``Sparsified``) with DGC's velocity accumulation; state per chunk ``key``."""
 
-    def __init__(self, inner: Compressor, momentum: float = 0.0, clip_norm: float | None = None, warmup_steps: int = 0):
-        super().__init__(inner)
+    def __init__(self, inner: Compressor, momentum: float = 0.0, clip_norm: float | None = None, warmup_steps: int = 0,
+                 residual_dtype: torch.dtype = torch.float32):
+        super().__init__(inner, residual_dtype)
         self.topk = inner.sparsifier if isinstance(inner, Sparsified) else inner
         if not isinstance(self.topk, TopK):
             raise ValueError(f"DGC (momentum, clip_norm, warmup_steps) applies to topk, got {type(self.topk).__name__}")
@@ -59,16 +61,16 @@ class DeepGradientCompression(ErrorFeedback):
             gradient = gradient * (self.clip_norm / (gradient.norm() + 1e-12)).clamp(max=1.0)
         if self.momentum:
             velocity = self.velocities.get(key)
-            velocity = gradient.clone() if velocity is None else velocity.mul(self.momentum).add_(gradient)
+            velocity = gradient.clone() if velocity is None else velocity.float().mul(self.momentum).add_(gradient)
             gradient = velocity
         residual = self.residuals.get(key)
         accumulated = gradient if residual is None else residual + gradient
         self.topk.ratio = self.density(key)
         payload = self.inner.compress(accumulated, key, seed)
         sent = self.inner.decompress(payload)
-        self.residuals[key] = accumulated - sent
-        if self.momentum:
-            self.velocities[key] = velocity.masked_fill_(sent != 0, 0.0)  # momentum factor masking
+        self.residuals[key] = (accumulated - sent).to(self.residual_dtype)
+        if self.momentum:  # momentum factor masking
+            self.velocities[key] = velocity.masked_fill_(sent != 0, 0.0).to(self.residual_dtype)
         self.steps[key] = self.steps.get(key, 0) + 1
         return payload
 
@@ -86,5 +88,6 @@ class DeepGradientCompression(ErrorFeedback):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         super().load_state_dict(state)
-        self.velocities = {k.removeprefix("velocity/"): v for k, v in state.items() if k.startswith("velocity/")}
+        self.velocities = {k.removeprefix("velocity/"): v.to(self.residual_dtype) for k, v in state.items()
+                           if k.startswith("velocity/")}
         self.steps = {k.removeprefix("steps/"): int(v) for k, v in state.items() if k.startswith("steps/")}

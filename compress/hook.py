@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter
+from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter, RestoredState
 from compress.config import CompressionConfig
 from compress.param_gather import QuantizedAllGather
 from compress.powersgd import PowerSGD, PowerSGDAllReduce, PowerSGDReduceScatter, unit_layout
@@ -38,6 +38,7 @@ class GradientCompression:
         self._units = 0
         self._movers: list = []  # per hook: the call count that seeds shared randomness
         self.param_codec = config.param_codec()
+        self.restored = RestoredState()  # checkpointed state, adopted by the hooks' stream at their first call
 
     @property
     def replaces_replicate_all_reduce(self) -> bool:
@@ -60,6 +61,8 @@ class GradientCompression:
             self.compressor.load_state_dict(
                 {k.removeprefix("compressor/"): v for k, v in state.items() if k.startswith("compressor/")}
             )
+            # the tensors the compressor now holds (a load may convert them): adopted by the hooks' streams
+            self.restored.load([v for v in self.compressor.state_dict().values() if isinstance(v, torch.Tensor)])
 
     def register(self, module: FSDPModule, mesh: DeviceMesh) -> None:
         if self.compressor is None:
@@ -79,21 +82,21 @@ class GradientCompression:
             # rank's shard of it: the same layout describes both
             layout = unit_layout(module, shard.size(), shard.get_local_rank())
             if shard.size() > 1:
-                module.set_custom_reduce_scatter(PowerSGDReduceScatter(self.compressor, self.stats, name, layout))
+                module.set_custom_reduce_scatter(PowerSGDReduceScatter(self.compressor, self.stats, name, layout, self.restored))
             if mesh.ndim == 2 and mesh["replicate"].size() > 1:
-                module.set_all_reduce_hook(
-                    PowerSGDAllReduce(self.compressor, self.stats, f"{name}/ar", layout, mesh["replicate"].get_group())
-                )
+                module.set_all_reduce_hook(PowerSGDAllReduce(
+                    self.compressor, self.stats, f"{name}/ar", layout, mesh["replicate"].get_group(), self.restored
+                ))
             return
         if isinstance(self.compressor, SketchedSGD):
             reduce_scatter_type, all_reduce_type = SketchedReduceScatter, SketchedAllReduce
         else:
             reduce_scatter_type, all_reduce_type = CompressedReduceScatter, CompressedAllReduce
         if shard.size() > 1:
-            reduce_scatter = reduce_scatter_type(self.compressor, self.stats, name)
+            reduce_scatter = reduce_scatter_type(self.compressor, self.stats, name, self.restored)
             module.set_custom_reduce_scatter(reduce_scatter)
             self._movers.append(reduce_scatter.mover)
         if mesh.ndim == 2 and mesh["replicate"].size() > 1:
-            all_reduce = all_reduce_type(self.compressor, self.stats, name, mesh["replicate"].get_group())
+            all_reduce = all_reduce_type(self.compressor, self.stats, name, mesh["replicate"].get_group(), self.restored)
             module.set_all_reduce_hook(all_reduce)
             self._movers.append(all_reduce.mover)

@@ -14,24 +14,22 @@ to gain ``min_compression`` times, are averaged uncompressed in one all-reduce. 
 ``M + e - P Qᵀ / world`` for the next step. The first ``start_step`` steps are plain reduce-scatters.
 
 Under FSDP2 the reduce-scatter input is the unit's flat gradient, each parameter padded to a
-multiple of the world size in rows and chunked by rank (``lit_fsdp.layout``); a parameter's full
+multiple of the world size in rows and chunked by rank (``compress.layout``); a parameter's full
 gradient is then a (world, chunk_rows, cols) view of it, used in place (zero padding rows change nothing).
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from compress.communicator import CommStats, _apply_op, _Timer, screen
+from compress.communicator import CommStats, HookCounters, RestoredState, apply_op, keep_alive, screen
 from compress.error_feedback import Residuals
+from compress.layout import ParamPlace, UnitLayout
+from compress.torch_compat import ReduceScatter
 
-if TYPE_CHECKING:  # lit_fsdp imports compress: import its layout where it is used
-    from lit_fsdp.layout import ParamPlace, UnitLayout
 
 
 class PowerSGD(Residuals):
@@ -81,7 +79,8 @@ class PowerSGD(Residuals):
     def initial_q(self, key: str, cols: int, rank: int, device: torch.device) -> torch.Tensor:
         """A random Q the same on every rank: seeded by the matrix's key, orthonormalised."""
         generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-        return orthonormal(torch.randn(cols, rank, generator=generator).to(device))
+        # drawn on the host: every device draws the same Q; the copy does not wait for the device
+        return orthonormal(torch.randn(cols, rank, generator=generator).to(device, non_blocking=True))
 
     # --- the reduction ---------------------------------------------------------------------------
 
@@ -91,10 +90,8 @@ class PowerSGD(Residuals):
         Returns float32 tensors of the same shapes; updates the warm starts and residuals under ``keys``.
         Its time outside the all-reduces (products, orthonormalisation, residuals) is counted as ``compress_s``.
         """
-        collective_s = stats.extra_collective_s
-        with _Timer(views[0].device if views else torch.device("cpu")) as timer:
+        with stats.clock.time("compress_s", views[0].device if views else torch.device("cpu")):
             results = self._average(views, keys, group, stats)
-        stats.compress_s += timer.seconds - (stats.extra_collective_s - collective_s)
         return results
 
     def _average(self, views: list[torch.Tensor], keys: list[str], group: dist.ProcessGroup, stats: CommStats) -> list[torch.Tensor]:
@@ -157,18 +154,15 @@ def orthonormal(matrix: torch.Tensor) -> torch.Tensor:
 
 def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats) -> None:
     """A summing all-reduce, counted: PowerSGD makes up to three per reduction (vectors, P, Q) instead of one."""
-    with _Timer(tensor.device) as timer:
+    with stats.clock.time("extra_collective_s", tensor.device):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     stats.extra_collectives += 1
-    stats.extra_collective_s += timer.seconds
     stats.bytes_sent += 2 * (group.size() - 1) * tensor.numel() * tensor.element_size() // group.size()  # a ring
 
 
 def unit_layout(module: torch.nn.Module, world: int, rank: int) -> UnitLayout:
     """The flat layout of an FSDP module's gradient reduce-scatter: its own parameters, by rows over ``world`` ranks."""
     from torch.distributed.fsdp import FSDPModule
-
-    from lit_fsdp.layout import UnitLayout
 
     nested = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
     params = [((str(i),), p) for i, p in enumerate(p for p in module.parameters() if id(p) not in nested)]
@@ -178,8 +172,12 @@ def unit_layout(module: torch.nn.Module, world: int, rank: int) -> UnitLayout:
 class PowerSGDReduceScatter(ReduceScatter):
     """FSDP2 reduce-scatter by PowerSGD: every rank reconstructs the average and keeps its rows."""
 
-    def __init__(self, state: PowerSGD, stats: CommStats, name: str, layout: UnitLayout):
+    def __init__(self, state: PowerSGD, stats: CommStats, name: str, layout: UnitLayout,
+                 restored: RestoredState | None = None):
         self.state, self.stats, self.name, self.layout = state, stats, name, layout
+        self.restored = restored or RestoredState()
+        self._hook = self.restored.register()
+        self.counters = stats.new_hook()
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -187,6 +185,7 @@ class PowerSGDReduceScatter(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         stats, layout = self.stats, self.layout
         world, rank = group.size(), group.rank()
+        self.restored.adopt(self._hook)
         stats.calls += 1
         stats.numel += input_tensor.numel()
         raw = (world - 1) * input_tensor.numel() // world * 4
@@ -198,15 +197,15 @@ class PowerSGDReduceScatter(ReduceScatter):
             stats.bytes_sent += raw
             return None
         stats.values_sent += input_tensor.numel()  # every element gets a value: density 1
-        rows = screen(input_tensor.float(), stats).view(world, layout.shard_numel)
+        rows = screen(input_tensor.float(), self.counters).view(world, layout.shard_numel)
         views = [layout.rank_major_view(rows, place) for place in layout.places]
         averages = self.state.average(views, [self._key(place) for place in layout.places], group, stats)
         if stats.sampling:
-            _sample(stats, views, averages, group)
+            _sample(self.counters, views, averages, group)
         mine = output_tensor.view(layout.shard_numel)
         for place, average in zip(layout.places, averages):
             mine[place.shard_offset : place.shard_offset + place.chunk_numel].copy_(
-                _apply_op(average[rank].reshape(-1), op, world, prescaled=True)
+                apply_op(average[rank].reshape(-1), op, world, prescaled=True)
             )
         return None
 
@@ -217,12 +216,18 @@ class PowerSGDReduceScatter(ReduceScatter):
 class PowerSGDAllReduce:
     """All-reduce hook for the replicate dimension (NO_SHARD, HYBRID_SHARD): PowerSGD over this rank's reduced shard."""
 
-    def __init__(self, state: PowerSGD, stats: CommStats, name: str, layout: UnitLayout, group: dist.ProcessGroup):
+    def __init__(self, state: PowerSGD, stats: CommStats, name: str, layout: UnitLayout, group: dist.ProcessGroup,
+                 restored: RestoredState | None = None):
         self.state, self.stats, self.name, self.layout, self.group = state, stats, name, layout, group
+        self.restored = restored or RestoredState()
+        self._hook = self.restored.register()
+        self.counters = stats.new_hook()
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         stats, layout, group = self.stats, self.layout, self.group
         world = group.size()
+        keep_alive(reduce_output)
+        self.restored.adopt(self._hook)
         stats.calls += 1
         stats.numel += reduce_output.numel()
         raw = 2 * (world - 1) * reduce_output.numel() * 4 // world
@@ -235,7 +240,7 @@ class PowerSGDAllReduce:
             stats.bytes_sent += raw
             return
         stats.values_sent += reduce_output.numel()
-        flat = screen(reduce_output.float(), stats).view(1, layout.shard_numel)
+        flat = screen(reduce_output.float(), self.counters).view(1, layout.shard_numel)
         views = [flat[:, p.shard_offset : p.shard_offset + p.chunk_numel].view(1, p.chunk_rows, p.cols) for p in layout.places]
         averages = self.state.average(views, [f"{self.name}/{p.names[0]}" for p in layout.places], group, stats)
         out = reduce_output.view(-1)
@@ -243,19 +248,15 @@ class PowerSGDAllReduce:
             out[place.shard_offset : place.shard_offset + place.chunk_numel].copy_(average.reshape(-1))
 
 
-def _sample(stats: CommStats, gradients: list[torch.Tensor], averages: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+def _sample(counters: HookCounters, gradients: list[torch.Tensor], averages: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """On a sampled step, compare the reconstruction with the exact average (one extra dense all-reduce, not counted)."""
     exact = torch.cat([g.float().reshape(-1) for g in gradients])
     dist.all_reduce(exact, op=dist.ReduceOp.SUM, group=group)
     exact /= group.size()
     estimate = torch.cat([a.reshape(-1) for a in averages])
-    sums = torch.stack([
+    counters.add_samples(torch.stack([
         (estimate - exact).square().sum(), exact.square().sum(), (estimate * exact).sum(), estimate.square().sum(),
-    ]).double().tolist()
-    stats.sample_err_sq += sums[0]
-    stats.sample_ref_sq += sums[1]
-    stats.sample_dot += sums[2]
-    stats.sample_est_sq += sums[3]
+    ]).double())
 
 
 def compressed_fraction(state: PowerSGD, layout: UnitLayout, world: int) -> float:

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from compress.payload import Payload
+from compress.payload import Layout, Payload
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -36,6 +36,15 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return packed[:n]
     stream = ((packed.unsqueeze(-1) >> _bit_positions(8, packed.device)) & 1).flatten()[: n * bits]
     return (stream.view(n, bits) << _bit_positions(bits, packed.device)).sum(-1, dtype=torch.uint8)
+
+
+def packed_bytes(n: int, bits: int) -> int:
+    """Bytes ``pack_bits`` makes of ``n`` values of ``bits`` bits."""
+    return math.ceil(n * bits / 8)
+
+
+def _chunk_count(n: int, chunk_size: int) -> int:
+    return math.ceil(n / chunk_size)
 
 
 def _bit_positions(bits: int, device: torch.device) -> torch.Tensor:
@@ -69,10 +78,8 @@ def _chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
 
 def _chunk_lengths(n: int, chunk_size: int, device: torch.device) -> torch.Tensor:
     """The number of real (unpadded) elements in each chunk, as fp32."""
-    lengths = torch.full((math.ceil(n / chunk_size),), float(chunk_size), device=device)
-    if n:
-        lengths[-1] = n - (lengths.numel() - 1) * chunk_size
-    return lengths
+    starts = torch.arange(0, n, chunk_size, device=device)  # no element written from the host: no copy to the device
+    return (n - starts).clamp(max=chunk_size).float()
 
 
 def _padded_fp32(values: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -122,6 +129,10 @@ class _Cast:
     linear: ClassVar[bool] = True
     unbiased: ClassVar[bool] = False
 
+    def layout(self, n: int) -> Layout:
+        """The payload's tensors for ``n`` values (what ``compress`` returns, known without compressing)."""
+        return (("values", self.dtype, (n,)),)
+
     def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
         return Payload(tensor.numel(), {"values": _flat_fp32(tensor).to(self.dtype)})
 
@@ -156,6 +167,9 @@ class FP8:
     def __post_init__(self) -> None:
         _check_int("FP8", "chunk_size", self.chunk_size, 1)
 
+    def layout(self, n: int) -> Layout:
+        return (("values", torch.float8_e4m3fn, (n,)), ("scales", torch.float32, (_chunk_count(n, self.chunk_size),)))
+
     def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
         x = _flat_fp32(tensor)
         scales = _absmax_scales(x, self.chunk_size, FP8_MAX)
@@ -189,6 +203,11 @@ class IntQuant:
     @property
     def levels(self) -> int:
         return 2 ** (self.num_bits - 1) - 1
+
+    def layout(self, n: int) -> Layout:
+        values = ("values", torch.int8, (n,)) if self.num_bits == 8 else (
+            "values", torch.uint8, (packed_bytes(n, self.num_bits),))
+        return (values, ("scales", torch.float32, (_chunk_count(n, self.chunk_size),)))
 
     def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
         x = _flat_fp32(tensor)
@@ -231,6 +250,10 @@ class QSGD:
     def bits(self) -> int:
         return (2 * self.levels).bit_length()
 
+    def layout(self, n: int) -> Layout:
+        return (("values", torch.uint8, (packed_bytes(n, self.bits),)),
+                ("norms", torch.float32, (_chunk_count(n, self.chunk_size),)))
+
     def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
         x = _flat_fp32(tensor)
         norms = _chunks(x, self.chunk_size).norm(dim=1)
@@ -262,6 +285,9 @@ class NaturalCompression:
     salt: int = 0
     linear: ClassVar[bool] = False
     unbiased: ClassVar[bool] = True
+
+    def layout(self, n: int) -> Layout:
+        return (("exponents", torch.uint8, (n,)), ("signs", torch.uint8, (packed_bytes(n, 1),)))
 
     def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
         x = _flat_fp32(tensor)
@@ -300,6 +326,9 @@ class SignSGD:
     def __post_init__(self) -> None:
         _check_int("SignSGD", "chunk_size", self.chunk_size, 1)
 
+    def layout(self, n: int) -> Layout:
+        return (("signs", torch.uint8, (packed_bytes(n, 1),)), ("scales", torch.float32, (_chunk_count(n, self.chunk_size),)))
+
     def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
         x = _flat_fp32(tensor)
         lengths = _chunk_lengths(x.numel(), self.chunk_size, x.device)
@@ -326,6 +355,9 @@ class OneBit:
 
     def __post_init__(self) -> None:
         _check_int("OneBit", "chunk_size", self.chunk_size, 1)
+
+    def layout(self, n: int) -> Layout:
+        return (("signs", torch.uint8, (packed_bytes(n, 1),)), ("means", torch.float32, (_chunk_count(n, self.chunk_size), 2)))
 
     def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
         x = _flat_fp32(tensor)

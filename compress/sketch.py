@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterator
 
 import torch
@@ -46,10 +47,10 @@ class CountSketch:
         """Per row, the bucket (int64) and sign (float32, +-1) of each of ``n`` coordinates."""
         if n >= _PRIME:
             raise ValueError(f"CountSketch: a {n}-element chunk is too long to hash; split it below {_PRIME}")
-        # the coefficients come from a CPU generator, so every device type hashes alike
-        generator = torch.Generator().manual_seed(wire_seed(seed))
-        # from 1: a zero multiplier would put every coordinate in one bucket
-        coefficients = torch.randint(1, _PRIME, (self.rows, 4), generator=generator).tolist()
+        # the coefficients come from Python's generator on the host: every device type hashes alike, and no
+        # tensor is read back; from 1: a zero multiplier would put every coordinate in one bucket
+        generator = random.Random(wire_seed(seed))
+        coefficients = [[generator.randrange(1, _PRIME) for _ in range(4)] for _ in range(self.rows)]
         index = torch.arange(n, device=device)
         for a, b, c, d in coefficients:
             bucket = (a * index + b) % _PRIME % cols

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from compress.communicator import CommStats, _apply_op, _nbytes, _PayloadMover, _Timer
+from compress.communicator import CommStats, PayloadMover, RestoredState, apply_op, keep_alive
 from compress.error_feedback import Residuals
+from compress.payload import nbytes
 from compress.sketch import CountSketch
+from compress.torch_compat import ReduceScatter
 
 _INDEX_BYTES = 4  # candidate positions travel as int32
 
@@ -56,9 +57,9 @@ class SketchedSGD(Residuals):
 class SketchedReduceScatter(ReduceScatter):
     """FSDP2 reduce-scatter by two-round Sketched-SGD: each rank gets its shard exact at its candidates."""
 
-    def __init__(self, state: SketchedSGD, stats: CommStats, name: str):
+    def __init__(self, state: SketchedSGD, stats: CommStats, name: str, restored: RestoredState | None = None):
         self.state = state
-        self.mover = _PayloadMover(state.sketch, stats, name)  # seeds, screening and collectives' timing
+        self.mover = PayloadMover(state.sketch, stats, name, restored)  # seeds, screening and collectives' timing
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -66,18 +67,19 @@ class SketchedReduceScatter(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         mover, stats, state = self.mover, self.mover.stats, self.state
         world, rank = group.size(), group.rank()
+        seed = mover.next_seed()
         rows = mover.screen(input_tensor.float()).view(world, -1) / world  # the mean travels: no overflow
-        numel, seed = rows.shape[1], mover.next_seed()
+        numel = rows.shape[1]
         stats.calls += 1
         stats.numel += rows.numel()
         stats.bytes_raw += (world - 1) * numel * 4
-        with _Timer(rows.device) as timer:
+        with mover.timed("compress_s", rows.device):
             corrected = torch.stack([state.corrected(f"{mover.name}/{d}", rows[d]) for d in range(world)])
             tables = torch.stack([state.sketch.table(corrected[d], seed + d) for d in range(world)])
         summed = tables.new_empty(tables[0].shape)
         mover.collective(dist.reduce_scatter_tensor, summed.view(-1), tables.view(-1), op=dist.ReduceOp.SUM, group=group,
                          extra=False)
-        with _Timer(rows.device) as decode:
+        with mover.timed("decompress_s", rows.device):
             mine = state.candidates(summed, numel, seed + rank)
         k = mine.numel()
         everyone = torch.empty(world * k, dtype=torch.int32, device=rows.device)
@@ -90,34 +92,35 @@ class SketchedReduceScatter(ReduceScatter):
         mover.collective(dist.reduce_scatter_tensor, summed_values, values.view(-1), op=dist.ReduceOp.SUM, group=group,
                          extra=True)
         result = torch.zeros(numel, dtype=torch.float32, device=rows.device).index_put_((mine,), summed_values)
-        output_tensor.copy_(_apply_op(result, op, world, prescaled=True))
-        stats.compress_s += timer.seconds
-        stats.decompress_s += decode.seconds
+        output_tensor.copy_(apply_op(result, op, world, prescaled=True))
         # this rank sends world - 1 rows' worth of sketch, receives and sends positions, sends values
         stats.bytes_sent += (world - 1) * (summed.numel() * 4 + k * _INDEX_BYTES + k * 4)
         stats.bytes_index += (world - 1) * k * _INDEX_BYTES
         stats.values_sent += world * k
-        mover.hold(_nbytes(tables, summed, everyone, values, summed_values))
+        mover.hold(nbytes(tables, summed, everyone, values, summed_values))
         return None
 
 
 class SketchedAllReduce:
     """All-reduce hook for the replicate dimension (NO_SHARD, HYBRID_SHARD): the same two rounds over one vector."""
 
-    def __init__(self, state: SketchedSGD, stats: CommStats, name: str, group: dist.ProcessGroup):
+    def __init__(self, state: SketchedSGD, stats: CommStats, name: str, group: dist.ProcessGroup,
+                 restored: RestoredState | None = None):
         self.state = state
-        self.mover = _PayloadMover(state.sketch, stats, name)
+        self.mover = PayloadMover(state.sketch, stats, name, restored)
         self.group = group
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         mover, stats, state, group = self.mover, self.mover.stats, self.state, self.group
         world, key = group.size(), f"{self.mover.name}/ar"
+        keep_alive(reduce_output)
+        seed = mover.next_seed()
         flat = mover.screen(reduce_output.float()).view(-1) / world
-        numel, seed = flat.numel(), mover.next_seed()
+        numel = flat.numel()
         stats.calls += 1
         stats.numel += numel
         stats.bytes_raw += 2 * (world - 1) * numel * 4 // world  # a ring all-reduce
-        with _Timer(flat.device) as timer:
+        with mover.timed("compress_s", flat.device):
             corrected = state.corrected(key, flat)
             table = state.sketch.table(corrected, seed)
         mover.collective(dist.all_reduce, table, op=dist.ReduceOp.SUM, group=group, extra=False)
@@ -127,9 +130,8 @@ class SketchedAllReduce:
         mover.collective(dist.all_reduce, values, op=dist.ReduceOp.SUM, group=group, extra=True)
         result = torch.zeros(numel, dtype=torch.float32, device=flat.device).index_put_((positions,), values)
         reduce_output.copy_(result.view_as(reduce_output))
-        stats.compress_s += timer.seconds
         k = positions.numel()
         stats.bytes_sent += 2 * (world - 1) * (table.numel() * 4 + k * 4) // world
         stats.values_sent += k
         stats.extra_collectives += 1
-        mover.hold(_nbytes(table, values))
+        mover.hold(nbytes(table, values))

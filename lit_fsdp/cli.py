@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
+from callbacks.progress_bar import progress_bar
 from callbacks.run_folder import compression_method, run_name
 import offload  # noqa: F401  (registers the slide_fsdp strategy name)
 from lit_fsdp import checkpoints
@@ -30,6 +33,19 @@ TRAINER_DEFAULTS = {
     "limit_val_batches": 8,
     "log_every_n_steps": 10,
 }
+
+# Deprecations inside Lightning that a user cannot act on, silenced by message and by the module they arise in
+# (every rank imports this module). Lightning's flattening of the dataloaders builds a LeafSpec, which torch's
+# pytree deprecates: Lightning-AI/pytorch-lightning#21326.
+warnings.filterwarnings(
+    "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+    module=r"lightning\.pytorch\.utilities\._pytree",
+)
+# LightningCLI calls jsonargparse APIs deprecated in jsonargparse 4.49 (shown with -W default or PYTHONWARNINGS).
+warnings.filterwarnings(
+    "ignore", message=r"\s*(By default only one JsonargparseDeprecationWarning|\S.* was deprecated in v4\.)",
+    category=DeprecationWarning, module=r"lightning\.pytorch\.cli",
+)
 
 
 class LitFsdpCLI(LightningCLI):
@@ -82,6 +98,15 @@ class LitFsdpCLI(LightningCLI):
             world = trainer.num_nodes * trainer.num_devices
             check_same_global_batch(manifest, self.datamodule.batch_size, world, trainer.accumulate_grad_batches,
                                     f"the checkpoint {path}")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The trainer, with our progress bar (short names, no ``Epoch 2/-2``) unless it is off or one is configured."""
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs.setdefault("callbacks", [*callbacks, progress_bar()])
+        return super().instantiate_trainer(**kwargs)
 
     before_fit = before_validate = before_test = before_predict = _preflight
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from compress.torch_compat import CheckpointImpl, checkpoint_wrapper
 
 
 @dataclass

@@ -60,24 +60,40 @@ class NonFiniteGuard:
         """Forget this step's gradients on every rank, so that the optimizer step changes nothing."""
         optimizer.zero_grad(set_to_none=True)  # AdamW leaves parameters without a gradient untouched
 
-    def nonfinite_values(self) -> int:
-        """Gradient values found non-finite on the way since the last step (compression, host updates)."""
+    def nonfinite_values(self) -> int | torch.Tensor:
+        """Gradient values found non-finite on the way since the last step (compression, host updates): a host
+        count or a device tensor, which the guard reads together with its other flags."""
         return 0
+
+    def any_rank_flags(self, flags: list[torch.Tensor | bool]) -> bool:
+        """Whether any flag is set on any rank: combined on the device, one all-reduce, one read to the host."""
+        device = self.root_device
+        bad = torch.zeros((), dtype=torch.int32, device=device)
+        for flag in flags:
+            if isinstance(flag, torch.Tensor):
+                bad = bad.bitwise_or(flag.reshape(()).to(device=device, dtype=torch.int32, non_blocking=True))
+            elif flag:
+                bad = bad.bitwise_or(1)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return bool(bad)  # the guard's one host synchronisation per optimizer step
 
     def clip_and_guard(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
         """Clip, then stop, skip or report the step if its loss or gradients are not finite (``on_nonfinite``).
 
         Every rank takes the same decision (one all-reduce of a flag), so a skipped step is skipped everywhere.
+        The flags stay on the device until that decision, the one point where the step waits for the device.
         Returns the gradient norm before clipping (None where the strategy does not compute it).
         """
         norm = self.clip_gradients(max_norm)
-        bad = self.nonfinite_values() > 0
+        nonfinite = self.nonfinite_values()
+        flags: list[torch.Tensor | bool] = [nonfinite > 0]
         if self._loss_finite is not None:
-            bad |= not bool(self._loss_finite)
+            flags.append(self._loss_finite.logical_not())
         if norm is not None:
-            bad |= not bool(torch.isfinite(norm))
+            flags.append(torch.isfinite(norm).logical_not())
         self._loss_finite = None
-        if not self.reduce_boolean_decision(bad, all=False):
+        if not self.any_rank_flags(flags):
             return norm
         self.nonfinite_steps += 1
         step = self.lightning_module.trainer.global_step + 1

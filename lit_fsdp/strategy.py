@@ -17,8 +17,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _set_num_threads_if_needed
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -28,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from compress.config import CompressionConfig
 from compress.hook import GradientCompression
+from compress.torch_compat import bf16_native
 from lit_fsdp.parallelize import ShardingPlan, parallelize
 from lit_fsdp.reliability import AtomicCheckpoints, NonFiniteGuard, OnNonFinite
 from lit_fsdp.weights import materialize
@@ -35,16 +37,86 @@ from lit_fsdp.weights import materialize
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _HOOK_STATE = "comm_hook."  # checkpoint keys of each rank's compression state: comm_hook.rank<r>/<key>
+ADAM_STATE_BYTES = 16  # FSDP2's model states per parameter: fp32 weight, gradient and two AdamW moments
+_GIB = 2**30
 
 
 def resolve_dtype(name: DType, device: torch.device, fallback: torch.dtype | None = None) -> torch.dtype:
-    """The dtype a strategy's ``param_dtype``/``reduce_dtype`` names; ``auto`` is ``fallback``, else bfloat16 on GPUs with it, else float32."""
+    """The dtype a strategy's ``param_dtype``/``reduce_dtype`` names; ``auto`` is ``fallback``, else bfloat16 on GPUs
+    that compute it in hardware (Ampere and newer; V100 and T4 only emulate it, slower than float32), else float32."""
     if name == "auto":
         if fallback is not None:
             return fallback
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if cuda_bf16 else torch.float32
+        return torch.bfloat16 if bf16_native(device) else torch.float32
     return getattr(torch, name)
+
+
+def process_group_backend(requested: str | None, device: torch.device, host_collectives: str | None) -> str:
+    """The ``init_process_group`` backend of a strategy on ``device``.
+
+    ``host_collectives`` says why the strategy runs collectives on CPU tensors (None: it does not). On a GPU
+    those need a CPU backend beside NCCL: the default is then ``cpu:gloo,cuda:nccl`` (with Lightning's plain
+    ``nccl`` they fail: "No backend type associated with device type cpu") and a requested backend without a
+    CPU part is refused. Otherwise: ``requested``, or Lightning's default for the device.
+    """
+    on_host = host_collectives is not None and device.type == "cuda"
+    if not requested:
+        return "cpu:gloo,cuda:nccl" if on_host else _get_default_process_group_backend_for_device(device)
+    if on_host and not _serves_cpu(requested):
+        raise ValueError(
+            f"process_group_backend {requested!r} has no CPU part, but {host_collectives} runs collectives on CPU tensors "
+            "(gradient norms, checkpoints); set --trainer.strategy.init_args.process_group_backend cpu:gloo,cuda:nccl "
+            "or leave it unset"
+        )
+    return requested
+
+
+def _serves_cpu(backend: str) -> bool:
+    """Whether a backend string (``nccl``, ``gloo``, ``cpu:gloo,cuda:nccl``) has a CPU part; a custom backend is trusted."""
+    if ":" in backend:
+        return any(part.split(":")[0].strip().lower() == "cpu" for part in backend.split(","))
+    devices = dist.Backend.backend_capability.get(backend.strip().lower())
+    return devices is None or "cpu" in devices
+
+
+def check_device_memory(parameters: int, rows: int, mesh: tuple[int, ...], cpu_offload: bool,
+                        compression: CompressionConfig | None, device_bytes: int) -> None:
+    """Raise ValueError when FSDP2's model states and the compression state alone exceed one GPU's ``device_bytes``.
+
+    ``mesh`` is the strategy's ``(shard,)`` or ``(replicate, shard)``; ``rows`` the hidden size (PowerSGD's Q).
+    A floor, not an estimate: activations, gathered units and the allocator come on top (``python -m lit_fsdp
+    tune`` estimates those), so what this refuses cannot fit at any micro-batch.
+    """
+    replicas, shard = mesh if len(mesh) == 2 else (1, mesh[0])
+    states = 0 if cpu_offload else ADAM_STATE_BYTES * parameters // shard
+    kept = compression.state_bytes(parameters, shard, replicas, rows) if compression is not None else 0
+    if states + kept <= device_bytes:
+        return
+    have = f"one GPU has {device_bytes / _GIB:.1f} GiB"
+    billions = f"{parameters / 1e9:.1f}B parameters"
+    if states > device_bytes or not kept:
+        raise ValueError(
+            f"FSDP2's model states need {states / _GIB:.1f} GiB per GPU for {billions} ({ADAM_STATE_BYTES} bytes each "
+            f"over {shard} shard(s)) but {have}; shard over more GPUs (sharding FULL_SHARD, more devices), "
+            "set --trainer.strategy.init_args.cpu_offload true or use offload.SlideFSDPStrategy"
+        )
+    assert compression is not None
+    per = compression.state_bytes_per_param(rows)
+    option = "--trainer.strategy.init_args.compression"
+    if compression.method == "powersgd":
+        what, fix = "PowerSGD's residuals and warm-start Qs", "use a method without built-in error feedback (e.g. int8)"
+    elif compression.method == "sketch":
+        what, fix = "Sketched-SGD's residuals", "use a method without built-in error feedback (e.g. int8)"
+    else:
+        what = "error-feedback residuals" + (" and DGC velocities" if compression.parameters().get("momentum") else "")
+        halve = f"{option}.residual_dtype bfloat16 (halves them) or " if compression.residual_dtype == "float32" else ""
+        fix = f"set {halve}{option}.error_feedback false"
+    if states and kept <= device_bytes:
+        fix += ", or move the model states to the host with --trainer.strategy.init_args.cpu_offload true"
+    raise ValueError(
+        f"{what} need {kept / _GIB:.1f} GiB per GPU ({per:g} bytes per parameter of the whole model, for {billions}; "
+        f"sharding does not divide them) beside {states / _GIB:.1f} GiB of model states, but {have}: {fix}"
+    )
 
 
 def check_precision(trainer: pl.Trainer, strategy: Any) -> None:
@@ -114,8 +186,17 @@ class CausalLMStrategy(NonFiniteGuard, AtomicCheckpoints, ModelParallelStrategy)
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """Checks that need no process group, run by the CLI before Lightning starts the other processes."""
         self.mesh_shape(trainer.num_nodes * trainer.num_devices, trainer.num_nodes)
+        self._get_process_group_backend()
 
     # --- mesh ------------------------------------------------------------------------------------
+
+    @property
+    def host_collectives(self) -> str | None:
+        """Why this strategy runs collectives on CPU tensors (None: it does not); on GPUs they need gloo beside NCCL."""
+        return None
+
+    def _get_process_group_backend(self) -> str:
+        return process_group_backend(self._process_group_backend, self.root_device, self.host_collectives)
 
     def setup_environment(self) -> None:
         if self.root_device.type == "cpu":
@@ -230,7 +311,8 @@ class FSDP2Strategy(CausalLMStrategy):
                 non-finite values): ``stop`` the run with a one-line error before the update, ``skip_step`` on every
                 rank, or ``warn`` and apply it.
             save_distributed_checkpoint: Sharded checkpoint folder (one file per rank); False writes one full file.
-            process_group_backend: ``gloo`` or ``nccl``; default from the device.
+            process_group_backend: ``gloo``, ``nccl`` or per device (``cpu:gloo,cuda:nccl``); default from the device,
+                and ``cpu:gloo,cuda:nccl`` on GPUs with ``cpu_offload`` (gradient norms of CPU DTensors need gloo).
             timeout: Collective timeout.
         """
         super().__init__(block_class, param_dtype, reduce_dtype, activation_checkpointing, on_nonfinite,
@@ -260,6 +342,10 @@ class FSDP2Strategy(CausalLMStrategy):
         return "fsdp2" if self.sharding == "FULL_SHARD" else f"fsdp2_{self.sharding.lower()}"
 
     # --- mesh ------------------------------------------------------------------------------------
+
+    @property
+    def host_collectives(self) -> str | None:
+        return "cpu_offload: true" if self.cpu_offload else None
 
     def mesh_shape(self, world_size: int, num_nodes: int) -> tuple[int, ...]:
         """(shard,) for FULL_SHARD / SHARD_GRAD_OP, (replicate, shard) for NO_SHARD / HYBRID_SHARD."""
@@ -301,6 +387,22 @@ class FSDP2Strategy(CausalLMStrategy):
         if self.compression is not None:
             self.compression.build(rank=0)  # unknown method, out-of-range parameter: fail here
             self.compression.param_codec()
+        self.check_device_memory(trainer, module)
+
+    def check_device_memory(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Fail before launch when the model states and the compression state cannot fit in this GPU (CPU: no check)."""
+        device = self.root_device
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return
+        from transformers import AutoModelForCausalLM
+
+        config = module.hf_config()
+        with torch.device("meta"):
+            network = AutoModelForCausalLM.from_config(config)
+        parameters = sum(p.numel() for p in network.parameters())
+        mesh = self.mesh_shape(trainer.num_nodes * trainer.num_devices, trainer.num_nodes)
+        check_device_memory(parameters, config.hidden_size, mesh, self.cpu_offload, self.compression,
+                            torch.cuda.get_device_properties(device).total_memory)
 
     def is_placed(self, network: torch.nn.Module) -> bool:
         return isinstance(network, FSDPModule)
@@ -328,14 +430,14 @@ class FSDP2Strategy(CausalLMStrategy):
         if not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def nonfinite_values(self) -> int:
-        """Non-finite values the compression hooks replaced by zeros since the last step (they count, we compare)."""
+    def nonfinite_values(self) -> int | torch.Tensor:
+        """Non-finite values the compression hooks replaced by zeros since the last step, as a device count."""
         stats = getattr(self.comm_hook, "stats", None)
-        if stats is None:
+        total = stats.nonfinite_total() if stats is not None else None
+        if total is None:
             return 0
-        count = stats.nonfinite
-        new = count - self._nonfinite_seen if count >= self._nonfinite_seen else count  # CompressionStats takes them
-        self._nonfinite_seen = count
+        new = total - self._nonfinite_seen  # the hooks' run total, never reset: compared with the last step's
+        self._nonfinite_seen = total
         return new
 
     # --- the comm hook's state in checkpoints -------------------------------------------------------

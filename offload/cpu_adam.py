@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from lit_fsdp.layout import UnitLayout
+from compress.layout import UnitLayout
 
 # The held optimizer's hyperparameters that the CPU optimizers follow.
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")

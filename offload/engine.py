@@ -23,10 +23,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from compress.layout import UnitLayout
 from offload.checkpointing import ActivationStore, BeforeBackward, CheckpointedBlock
 from offload.cpu_adam import CpuAdam
 from offload.gradients import GradientPipeline
-from lit_fsdp.layout import UnitLayout
 from offload.residency import DeviceWindow
 from offload.transfers import Transfers
 

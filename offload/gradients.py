@@ -18,9 +18,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from compress.layout import UnitLayout
 from offload.cpu_adam import CpuAdam
 from offload.host import HostState
-from lit_fsdp.layout import UnitLayout
 from offload.transfers import Event, Transfers
 
 

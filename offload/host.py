@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_fsdp.layout import UnitLayout
+from compress.layout import UnitLayout
 
 SHM_DIR = Path("/dev/shm")
 

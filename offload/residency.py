@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from compress.layout import UnitLayout
 from offload.host import HostState
-from lit_fsdp.layout import UnitLayout
 from offload.transfers import Event, Transfers
 
 

@@ -1,6 +1,6 @@
 """SlideFSDP's host state seen as DTensors: checkpoints in FSDP2's layout, and weight init or loading through them.
 
-Each rank's master rows of a parameter are a ``Shard(0)`` chunk of the full tensor (``lit_fsdp.layout``),
+Each rank's master rows of a parameter are a ``Shard(0)`` chunk of the full tensor (``compress.layout``),
 so they, and the AdamW moments beside them, can be presented as DTensors on a CPU device mesh without
 a copy. ``torch.distributed.checkpoint`` then saves and loads them in place, under the same keys and
 shapes as an FSDP2 checkpoint (``model.<name>``, ``optimizer_0.state.model.<name>.exp_avg``, ...):
@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from compress.layout import ParamPlace, UnitLayout
 from lit_fsdp.weights import clean_name
 from offload.cpu_adam import CpuAdam
-from lit_fsdp.layout import ParamPlace, UnitLayout
 
 _PREFIX = "model."  # CausalLM keeps the network in `self.model`
 

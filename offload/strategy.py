@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from lit_fsdp.layout import build_layouts
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import OnNonFinite
 from lit_fsdp.strategy import CausalLMStrategy, DType
@@ -34,7 +35,6 @@ from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, SlideEngine
 from offload.gradients import GradientPipeline
 from offload.host import HostState, SharedStaging, can_pin, node_tag
-from lit_fsdp.layout import build_layouts
 from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
 from offload.transfers import Transfers
@@ -102,7 +102,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
             on_nonfinite: A step whose loss or gradients are not finite: ``stop`` the run before anything non-finite is
                 applied, ``skip_step`` on every rank (the CPU updates then wait for the end of the backward, as with
                 clipping), or ``warn`` and apply it.
-            process_group_backend: Default ``cpu:gloo,cuda:nccl`` on GPUs (host collectives use gloo), ``gloo`` on CPU.
+            process_group_backend: Default ``cpu:gloo,cuda:nccl`` on GPUs (host collectives use gloo; a backend without
+                a CPU part is refused), ``gloo`` on CPU.
             timeout: Collective timeout.
         """
         super().__init__(block_class, param_dtype, reduce_dtype, activation_checkpointing, on_nonfinite, True,
@@ -171,11 +172,10 @@ class SlideFSDPStrategy(CausalLMStrategy):
 
     # --- processes -------------------------------------------------------------------------------
 
-    def _get_process_group_backend(self) -> str:
-        if self._process_group_backend:
-            return self._process_group_backend
-        # Host-side collectives (gradients on the CPU, norms, checkpoints) need gloo beside NCCL.
-        return "cpu:gloo,cuda:nccl" if self.root_device.type == "cuda" else "gloo"
+    @property
+    def host_collectives(self) -> str | None:
+        """Gradients on the host, their norms and checkpoints: gloo beside NCCL (``lit_fsdp.strategy.process_group_backend``)."""
+        return "SlideFSDP"
 
     def setup_environment(self) -> None:
         super().setup_environment()

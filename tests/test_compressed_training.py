@@ -36,9 +36,10 @@ EARLY_START = {"powersgd": ["--trainer.strategy.init_args.compression.start_step
 
 
 # Configs whose path another run here already takes (CI time): fp16 trains in the replicate tests below,
-# topk10_int8 is topk_int8 at another ratio, and onebit and natural go through the same all-to-all as
-# signsgd and qsgd (every method's hook runs on 2 processes in test_communicator.py).
-SAME_PATH = {"fp16", "topk10_int8", "onebit", "natural"}
+# topk10_int8 is topk_int8 at another ratio, onebit and natural go through the same all-to-all as
+# signsgd and qsgd (every method's hook runs on 2 processes in test_communicator.py), and thresholdv_density
+# trains in the resume test below.
+SAME_PATH = {"fp16", "topk10_int8", "onebit", "natural", "thresholdv_density"}
 
 
 @pytest.mark.parametrize("config", [c for c in METHOD_CONFIGS if c != "baseline" and c not in SAME_PATH])
@@ -69,8 +70,8 @@ def test_replicate_paths_train_and_compress(tmp_path, sharding, method):
 @pytest.mark.parametrize(
     "compression",
     ["{method: int8, num_bits: 2, error_feedback: true}", "{method: topk, ratio: 0.05, error_feedback: true}",
-     "{method: powersgd, rank: 2, start_step: 1}"],
-    ids=["int8+EF", "topk+EF", "powersgd"],
+     "{method: powersgd, rank: 2, start_step: 1}", "{method: thresholdv, density: 0.01, error_feedback: true}"],
+    ids=["int8+EF", "topk+EF", "powersgd", "thresholdv-density+EF"],
 )
 def test_compressed_resume_at_step_3_of_6_equals_the_uninterrupted_run(tmp_path, compression):
     """Residuals, warm starts and seed counters are in the checkpoint: the resumed run compresses as the whole one."""

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from compress.config import METHODS, CompressionConfig, describe_methods
+from compress.dgc import DeepGradientCompression
 from compress.error_feedback import ErrorFeedback
+from compress.powersgd import PowerSGD
+from compress.quantize import QSGD, IntQuant
+from compress.sparsify import RandomK, Sparsified, TopK
 from tests.helpers import run_cli
 
 
@@ -15,9 +20,43 @@ def test_every_method_builds_with_its_defaults(method):
     assert (compressor is None) == (method == "none")
 
 
-def test_composite_and_error_feedback_wrap_the_compressor():
-    compressor = CompressionConfig(method="topk", ratio=0.01, quantize="int8", error_feedback=True).build(0)
-    assert isinstance(compressor, ErrorFeedback)
+def test_composite_and_error_feedback_wrap_the_compressor_with_the_settings_given():
+    built = CompressionConfig(method="topk", ratio=0.05, quantize="int8", error_feedback=True).build(0)
+    assert type(built) is ErrorFeedback and built.residual_dtype == torch.float32
+    assert type(built.inner) is Sparsified and type(built.inner.sparsifier) is TopK
+    assert (built.inner.sparsifier.ratio, built.inner.sparsifier.k) == (0.05, None)
+    assert built.inner.quantizer == IntQuant(num_bits=8, chunk_size=1024)  # the quantiser at its method's defaults
+
+    # k instead of the default ratio; QSGD's private randomness salted by the rank; residuals in bfloat16
+    built = CompressionConfig(method="topk", k=64, quantize="qsgd", error_feedback=True,
+                              residual_dtype="bfloat16").build(rank=3)
+    assert type(built) is ErrorFeedback and built.residual_dtype == torch.bfloat16
+    assert (built.inner.sparsifier.ratio, built.inner.sparsifier.k) == (None, 64)
+    assert built.inner.quantizer == QSGD(levels=16, chunk_size=1024, salt=3)
+
+    built = CompressionConfig(method="int8", num_bits=4, chunk_size=256, error_feedback=True).build(0)
+    assert type(built) is ErrorFeedback and built.inner == IntQuant(num_bits=4, chunk_size=256)
+
+    built = CompressionConfig(method="randomk", k=10, rescale=False, error_feedback=True).build(0)
+    assert type(built) is ErrorFeedback and type(built.inner) is RandomK
+    assert (built.inner.ratio, built.inner.k, built.inner.rescale, built.inner.unbiased) == (None, 10, False, False)
+
+
+def test_dgc_options_build_deep_gradient_compression_around_topk():
+    built = CompressionConfig(method="topk", ratio=0.02, momentum=0.9, clip_norm=1.5, warmup_steps=4,
+                              error_feedback=True, residual_dtype="bfloat16").build(0)
+    assert type(built) is DeepGradientCompression and built.residual_dtype == torch.bfloat16
+    assert (built.momentum, built.clip_norm, built.warmup_steps, built.target_ratio) == (0.9, 1.5, 4, 0.02)
+    assert type(built.inner) is TopK and built.topk is built.inner
+    quantised = CompressionConfig(method="topk", ratio=0.02, quantize="int8", momentum=0.5, error_feedback=True).build(0)
+    assert type(quantised) is DeepGradientCompression and type(quantised.inner) is Sparsified
+    assert quantised.topk is quantised.inner.sparsifier and (quantised.momentum, quantised.clip_norm) == (0.5, None)
+    assert quantised.inner.quantizer == IntQuant(num_bits=8, chunk_size=1024)
+
+
+def test_powersgd_builds_with_its_settings_and_defaults():
+    built = CompressionConfig(method="powersgd", rank=2, start_step=3).build(0)
+    assert type(built) is PowerSGD and (built.rank, built.start_step, built.min_compression) == (2, 3, 2.0)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import compress.communicator
+import compress.timing
 from callbacks.compression import CompressionStats, sampled_error, summarise
 from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter
 from compress.config import CompressionConfig
@@ -73,7 +73,7 @@ def sparse_steps(rank: int, world: int) -> list[dict]:
 
 
 class _Clock:
-    """A fake ``time`` for the communicator: it moves only when the compressor below says so."""
+    """A fake ``time`` for the hooks' clock (compress.timing): it moves only when the compressor below says so."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -100,7 +100,7 @@ class _Slow:
 def timed_steps(rank: int, world: int) -> list[dict]:
     """int8 (all-to-all) and fp16 (native reduce-scatter), unsampled then sampled, 2 calls each on the fake clock."""
     clock = _Clock()  # patched in this worker process only, after the other hook calls
-    compress.communicator.time = types.SimpleNamespace(perf_counter=clock.perf_counter)
+    compress.timing.time = types.SimpleNamespace(perf_counter=clock.perf_counter)
     results = []
     for method in ("int8", "fp16"):
         for sampling in (False, True):

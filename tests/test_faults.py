@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
+import os
+import re
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -13,7 +17,8 @@ import pytest
 import torch
 
 from lit_fsdp import checkpoints
-from lit_fsdp.data.token_cache import BuilderLostError, wait_or_build
+from lit_fsdp.data import token_cache
+from lit_fsdp.data.token_cache import BuilderLostError, Heartbeat, wait_or_build
 from tests.helpers import fit, fit_arguments, read_metrics, run_cli
 
 STEPS = 8
@@ -148,6 +153,50 @@ def test_skip_step_skips_nonfinite_steps_on_every_rank(tmp_path):
     assert got["train/nonfinite_steps"][-1] >= 1
     assert len(got["train/loss"]) == 5
     assert finite_weights(tmp_path / "ckpt" / "last.ckpt")  # no rank applied a non-finite step
+
+
+def test_warn_applies_nonfinite_steps_and_says_so_at_each(tmp_path):
+    result = run_cli(*fit_arguments(tmp_path, "--model.learning_rate", "1e30", "--model.warmup_steps", "1",
+                                    "--trainer.strategy.init_args.on_nonfinite", "warn", steps=5,
+                                    callbacks=[every(5, tmp_path / "ckpt")]), cwd=tmp_path)
+    got = read_metrics(max(tmp_path.glob("lightning_logs/version_*/metrics.csv")))
+    # Step 1 is finite and its update (learning rate 1e30) makes every later step non-finite: the run goes on.
+    assert len(got["train/loss"]) == 5 and got["train/loss"][0] < 7 and all(map(math.isnan, got["train/loss"][1:]))
+    assert got["train/nonfinite_steps"] == [0, 1, 2, 3, 4]
+    warned = re.findall(r"non-finite loss or gradient at optimizer step (\d) \(gradient norm nan\): "
+                        r"applied anyway \(on_nonfinite: warn; (\d) so far\)", result.stderr)
+    assert warned == [("2", "1"), ("3", "2"), ("4", "3"), ("5", "4")]  # once per step, by rank 0 only
+    assert not finite_weights(tmp_path / "ckpt" / "last.ckpt")  # applied, unlike skip_step
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def test_a_waiting_rank_waits_while_the_heartbeat_is_fresh_and_stops_when_it_goes_stale(tmp_path, monkeypatch):
+    monkeypatch.setattr(token_cache, "HEARTBEAT_S", 0.1)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+
+    def build_for_2_s():  # local rank 0, beating every 0.1 s: a build four times longer than stale_after_s
+        with Heartbeat(cache / "heartbeat"):
+            time.sleep(2)
+            _write_atomic(cache / "meta.json", json.dumps({"finalized": True, "tokens": 7}))
+
+    builder = threading.Thread(target=build_for_2_s)
+    builder.start()
+    meta = wait_or_build(cache, lambda _: {}, local_rank=1, poll_seconds=0.1, timeout_s=5, stale_after_s=0.5)
+    builder.join()
+    assert meta == {"finalized": True, "tokens": 7}
+
+    # The builder's process (this one) lives on but its heartbeat stopped: hung, not exited.
+    (cache / "meta.json").unlink()
+    started = time.monotonic()
+    with pytest.raises(BuilderLostError, match=rf"\(pid {os.getpid()} on .+\) stopped its heartbeat \d+ s ago; rerun"):
+        wait_or_build(cache, lambda _: {}, local_rank=1, poll_seconds=0.1, timeout_s=5, stale_after_s=0.5)
+    assert time.monotonic() - started < 3
 
 
 def _build_forever(directory: Path) -> None:

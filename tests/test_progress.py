@@ -1,18 +1,23 @@
-"""Progress of the token-cache build and the BPE training: lines in a log, a bar on a terminal, silence off rank 0."""
+"""Progress shown to a user: the token-cache build and the BPE training (lines in a log, a bar on a terminal,
+silence off rank 0), and the training progress bar in the quickstart's first run."""
 
 from __future__ import annotations
 
 import io
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
+from callbacks.progress_bar import RichBar, shown_metrics
+from callbacks.throughput import RUNNING_KEY
 from lit_fsdp.data import progress, token_cache
 from lit_fsdp.data.progress import CorpusProgress, duration
 from lit_fsdp.data.token_cache import build_token_cache, read_documents
 from lit_fsdp.data.tokenizer import train_bpe
 from tests.corpus import articles, datamodule, write_array, write_lines
+from tests.helpers import REPO, run_cli
 
 
 class Terminal(io.StringIO):
@@ -117,3 +122,36 @@ def test_bpe_training_and_tokenizing_report_on_rank_zero_only(corpus, tmp_path, 
     monkeypatch.setattr(progress.rank_zero_only, "rank", 1)
     datamodule(corpus, tmp_path / "other-cache").setup("fit")
     assert "wiki.json: done" not in capsys.readouterr().err
+
+
+def test_training_bar_shows_the_step_short_names_and_tokens_per_s_as_an_integer():
+    trainer = SimpleNamespace(global_step=130, max_steps=300)
+    logged = {"v_num": "1tc7", "train/loss": 1.21749, RUNNING_KEY: 12013.49, "val/loss": 1.2114, "val/ppl": 3.3571,
+              "other/x": 0.12345}
+    assert shown_metrics(trainer, logged) == {
+        "step": "130/300", "loss": "1.217", "tok/s": "12013", "val_loss": "1.211", "val_ppl": "3.36", "other/x": "0.123",
+    }
+    assert shown_metrics(SimpleNamespace(global_step=5, max_steps=-1), {}) == {}  # an epochs run: no step total
+
+
+def test_a_max_steps_run_shows_the_epoch_without_a_negative_total():
+    pytest.importorskip("rich")
+    bar = RichBar()
+    bar._trainer = SimpleNamespace(max_epochs=-1)  # what Lightning sets when max_steps ends the run
+    assert bar._get_train_description(2).strip() == "Epoch 2"
+    bar._trainer = SimpleNamespace(max_epochs=5)
+    assert bar._get_train_description(2).strip() == "Epoch 2/4"
+
+
+def test_the_quickstart_prints_no_warnings_and_a_short_progress_bar(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich's width off a terminal: the bar on one line
+    result = run_cli("fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--trainer.max_steps", "3",
+                     "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path)
+    output = result.stdout + result.stderr
+    # Lightning prints warnings from its own files as "<file>.py:<line>: <message>", without the category.
+    warned = [line for line in output.splitlines() if re.search(r"warning|\.py:\d+: ", line, re.IGNORECASE)]
+    assert not warned, "\n".join(warned)
+    assert output.count("Throughput: MFU is null: no peak for 'cpu'") == 1  # rank 0, once, as information
+    assert re.search(r"step[:=] ?3/3", output) and re.search(r"\bloss[:=] ?\d+\.\d{3}\b", output), output[-2000:]
+    assert re.search(r"tok/s[:=] ?\d+(?![.\d])", output), output[-2000:]
+    assert "/-2" not in output and "tokens_per_s_running" not in output and "v_num" not in output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -11,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
 from callbacks import throughput
-from callbacks.device_peaks import peak_tflops
 from callbacks.throughput import Throughput
+from lit_fsdp.device_peaks import peak_tflops
 from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
 from lit_fsdp.parallelize import apply_activation_checkpointing, find_blocks
 from lit_fsdp.presets import build_config
@@ -114,13 +115,18 @@ def test_mfu_is_model_flops_per_device_over_the_given_peak():
     assert checkpointed["mfu"] == summary["mfu"] < checkpointed["hfu"]
 
 
-def test_mfu_is_null_with_a_warning_when_the_peak_is_unknown():
+def test_mfu_is_null_with_one_info_line_and_no_warning_when_the_peak_is_unknown(monkeypatch):
     callback = Throughput(warmup_steps=0)
     config = CONFIGS["gpt2-tiny"]
     trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(), precision="32-true")
     module = SimpleNamespace(model=SimpleNamespace(config=config), device=torch.device("cpu"))
-    with pytest.warns(UserWarning, match="MFU is null: no peak for 'cpu' in fp32; set the callback's init_args.peak"):
+    said = []
+    monkeypatch.setattr(throughput, "rank_zero_info", said.append)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # expected on a CPU: information, not a warning
         callback.on_train_start(trainer, module)
+    assert len(said) == 1
+    assert said[0].startswith("Throughput: MFU is null: no peak for 'cpu' in fp32; set the callback's init_args.peak")
     summary = timed(callback, config)
     assert summary["mfu"] is None and summary["peak_tflops"] is None
     assert summary["flops_per_token"] == 983_040
@@ -152,12 +158,15 @@ def test_running_tokens_per_s_goes_to_the_progress_bar_over_the_last_steps(monke
 
 
 def test_a_two_process_run_logs_mfu_and_samples_per_s(tmp_path):
-    # A 2-core CPU is far below 1 TFLOPS per process, so the MFU against that peak lies in (0, 1).
-    callback = {"class_path": "callbacks.Throughput", "init_args": {"warmup_steps": 2, "peak_tflops": 1.0}}
+    callback = {"class_path": "callbacks.Throughput", "init_args": {"warmup_steps": 2, "peak_tflops": 0.5}}
     metrics = fit(tmp_path, devices=2, batch_size=2, steps=6, callbacks=[callback])
-    assert 0 < metrics["perf/mfu"][-1] < 1
-    assert metrics["perf/samples_per_s"][-1] > 0
-    # The quickstart's blocks are 128 tokens: 2 sequences x 2 processes a step.
-    assert metrics["perf/tokens_per_s"][-1] == pytest.approx(128 * metrics["perf/samples_per_s"][-1])
-    assert metrics["perf/flops_per_token"][-1] == 983_040
+    perf = {key.removeprefix("perf/"): values[-1] for key, values in metrics.items() if key.startswith("perf/")}
+    # The quickstart's blocks are 128 tokens: 2 sequences x 2 processes a step, timed over the 4 steps after warm-up.
+    assert perf["steps_measured"] == 4 and perf["tokens_per_step"] == 512
+    assert perf["tokens_per_s"] == pytest.approx(512 / (perf["step_time_ms_mean"] / 1000), rel=1e-6)
+    assert perf["samples_per_s"] == pytest.approx(perf["tokens_per_s"] / 128, rel=1e-6)
+    # MFU: the model's FLOPs per token x the tokens/s of one of the 2 processes, over the given peak of 0.5 TFLOPS.
+    assert perf["flops_per_token"] == 983_040 and perf["peak_tflops"] == 0.5
+    assert perf["mfu"] == pytest.approx(983_040 * perf["tokens_per_s"] / 2 / 0.5e12, rel=1e-6)
+    assert perf["hfu"] == perf["mfu"]  # nothing recomputed
     assert len(metrics[throughput.RUNNING_KEY]) == 6 and min(metrics[throughput.RUNNING_KEY]) > 0  # every step

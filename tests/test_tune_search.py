@@ -223,11 +223,29 @@ def test_llm_proposals_run_first_are_checked_like_the_rules_and_a_failing_advise
     assert result.trials[2].source.startswith("rules:")
 
 
-def test_memory_headroom_near_full_budget_is_judged_against_the_process_budget():
-    search = controller(FakeRunner({}), Budget(trials=1))
+@pytest.mark.parametrize("peak_gb, finding", [
+    # 2 processes share a device of 8.89 GB: each has 4.44 GB, less the filter's 10% margin a budget of 4.00 GB.
+    (3.0, None),  # 67% of the process's memory: no headroom (it would be 34% of the whole device's)
+    (1.0, ("memory_headroom", "peak 1.00 GB uses 22% of the 4.44 GB a process has")),
+    (2.1, ("memory_headroom", "peak 2.10 GB uses 47% of the 4.44 GB a process has")),  # 52% of the 4.00 GB budget
+    (4.2, ("memory_pressure", "peak 4.20 GB is inside the margin the memory filter keeps (budget 4.00 of 4.44 GB)")),
+    (4.6, ("memory_pressure", "peak 4.60 GB is over the 4.44 GB a process has")),  # under the device's 8.89 GB
+])
+def test_memory_headroom_near_full_budget_is_judged_against_the_process_budget(peak_gb, finding):
+    runner = FakeRunner({})
+
+    def measured_at_peak(candidate, index, source, deadline_s):
+        trial = runner(candidate, index, source, deadline_s)
+        trial.peak_gb = peak_gb
+        return trial
+
+    search = controller(runner, Budget(trials=1))
+    search.search.run_trial = measured_at_peak
     result = search.run()
     assert search.search.memory.device_budget / GIB == pytest.approx(4.0, rel=1e-6)
-    assert [f["kind"] for f in result.default.findings][:1] == ["communication"]
+    memory = [(f["kind"], f["evidence"]) for f in result.default.findings if f["kind"].startswith("memory")]
+    assert memory == ([finding] if finding else [])
+    assert result.default.flags == (["memory_pressure"] if peak_gb > 4.44 else [])
 
 
 def test_controller_stops_when_every_move_was_tried():

@@ -209,7 +209,7 @@ def main(argv: Sequence[str]) -> None:
     out = Path(options.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     clear(out)
-    memory = MemoryFilter(model, run, hardware, options.memory_margin)
+    memory = MemoryFilter(model, run, hardware, options.memory_margin, base_compression)
     runner = TrialRunner(fit_args, out, Path.cwd(), run, options.trial, hardware, base_compression)
     search = Search(default, allowed, run, memory, Coder(allowed, run), validate, runner, options.loss_tolerance,
                     options.trial.timeout_s, facts={"hardware": asdict(hardware), "model": asdict(model), "run": asdict(run)})

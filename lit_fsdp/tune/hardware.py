@@ -3,7 +3,7 @@
 The tuner needs the memory of one device (the memory filter), the dense peak TFLOPS by dtype (MFU),
 the nodes (hybrid sharding) and, when known, the interconnect bandwidth within and across nodes (a
 slow link makes compression worth a trial). Detection reads CUDA's device properties, the peak table
-of ``callbacks/device_peaks.py``, ``/proc/meminfo`` and SLURM's node count; it cannot measure links,
+of ``lit_fsdp/device_peaks.py``, ``/proc/meminfo`` and SLURM's node count; it cannot measure links,
 so their bandwidth is null unless a file gives it. On a CPU the "device" is the host: one device per
 node with the host's memory, shared by the node's processes.
 """
@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from callbacks.device_peaks import device_peaks, matmul_format
+from lit_fsdp.device_peaks import device_peaks, matmul_format
 
 _GIB = 2**30
 _FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")

@@ -17,6 +17,12 @@ r = 4 bytes per reduced gradient value):
   kept by SDPA); a checkpointed block keeps only its input (h x m x s) and one block's activations
   come back during its recompute; SlideFSDP's ``activation_offload`` moves the kept inputs to the host.
 - **logits**: m x s x V x (p + 8): the logits, their float32 copy and the log-softmax.
+- **compression**: what the gradient compressor keeps between steps (``CompressionConfig.state_bytes``):
+  error feedback holds a residual per element of every unit's whole unsharded gradient, c x P per process
+  whatever the sharding (c = 4 bytes, 2 with ``residual_dtype: bfloat16``, twice that for DGC's
+  velocities; PowerSGD about 4, Sketched-SGD 4, methods without error feedback 0), plus c x P / shard
+  group for the replicate all-reduce of NO_SHARD and HYBRID_SHARD. The payload buffers of one unit's
+  collective are not counted.
 - **overhead**: a constant calibrated from one measured trial (CUDA context, allocator caches; on a
   CPU the whole process: interpreter, libraries, data): measured peak minus the analytic sum.
 
@@ -29,18 +35,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from lit_fsdp.flops import matmul_shape
 from lit_fsdp.parallelize import find_blocks
+from lit_fsdp.strategy import ADAM_STATE_BYTES, resolve_dtype
 from lit_fsdp.tune.hardware import Hardware
 from lit_fsdp.tune.space import Candidate, RunShape
 from offload.strategy import host_bytes_per_parameter
 
 GIB = 2**30
-ADAM_STATE_BYTES = 16  # fp32 weight, gradient and two moments per parameter
 REDUCE_BYTES = 4
 
 
@@ -83,24 +90,30 @@ class MemoryEstimate:
     overhead: int
     host_per_node: int
     host_share: int  # the process's part of ``host_per_node`` when the device is the host (CPU), else 0
+    compression: int = 0  # the gradient compressor's state (error-feedback residuals, PowerSGD's, Sketched-SGD's)
 
     @property
     def analytic(self) -> int:
-        return self.model_states + self.working_set + self.activations + self.logits + self.host_share
+        return self.model_states + self.working_set + self.activations + self.logits + self.host_share + self.compression
 
     @property
     def device_total(self) -> int:
         return self.analytic + self.overhead
 
     def parts_gb(self) -> dict[str, float]:
-        parts = ("model_states", "working_set", "activations", "logits", "overhead", "host_share", "host_per_node")
+        parts = ("model_states", "compression", "working_set", "activations", "logits", "overhead", "host_share",
+                 "host_per_node")
         return {name: round(getattr(self, name) / GIB, 4) for name in parts} | {"device_total": round(self.device_total / GIB, 4)}
 
 
 def compute_dtype(candidate: Candidate, accelerator: str) -> torch.dtype:
-    """The candidate's compute dtype; ``auto`` is bfloat16 on GPUs, float32 on CPU (as the strategies resolve it)."""
-    name = candidate.param_dtype if candidate.param_dtype != "auto" else ("bfloat16" if accelerator == "cuda" else "float32")
-    return getattr(torch, name)
+    """The candidate's compute dtype; ``auto`` as the strategies resolve it: bfloat16 on GPUs that compute it natively
+    (this machine's, when it has one: a V100 or T4 gets float32), float32 on CPU."""
+    if candidate.param_dtype != "auto":
+        return getattr(torch, candidate.param_dtype)
+    if accelerator != "cuda":
+        return torch.float32
+    return resolve_dtype("auto", torch.device("cuda")) if torch.cuda.is_available() else torch.bfloat16
 
 
 def activation_bytes(candidate: Candidate, model: ModelShape, run: RunShape, p: int) -> tuple[int, int]:
@@ -123,8 +136,22 @@ def shard_group(candidate: Candidate, world_size: int) -> int:
     return {"NO_SHARD": 1, "HYBRID_SHARD": world_size // (candidate.replicate_size or 1)}.get(candidate.sharding, world_size)
 
 
-def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: int = 0) -> MemoryEstimate:
-    """The analytic estimate of ``candidate`` plus the calibrated ``overhead`` (bytes per process)."""
+def compression_bytes(candidate: Candidate, model: ModelShape, run: RunShape,
+                      base_compression: dict[str, Any] | None = None) -> int:
+    """Bytes the candidate's gradient compressor keeps between steps per process (``CompressionConfig.state_bytes``)."""
+    config = candidate.compression_config(base_compression)
+    if config is None:
+        return 0
+    shard = shard_group(candidate, run.world_size)
+    return config.state_bytes(model.parameters, shard, run.world_size // shard, model.hidden)
+
+
+def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: int = 0,
+             base_compression: dict[str, Any] | None = None) -> MemoryEstimate:
+    """The analytic estimate of ``candidate`` plus the calibrated ``overhead`` (bytes per process).
+
+    ``base_compression``: the configs' compression settings, which a candidate of the same method runs with.
+    """
     dtype = compute_dtype(candidate, run.accelerator)
     p = dtype.itemsize
     activations, offloaded_activations = activation_bytes(candidate, model, run, p)
@@ -147,14 +174,17 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
         states = 0 if candidate.cpu_offload else states
     logits = candidate.micro_batch * run.seq_len * model.vocab * (p + 8)
     host_share = host // run.processes_per_node if run.accelerator == "cpu" else 0
-    return MemoryEstimate(states, working, activations, logits, overhead, host, host_share)
+    compression = compression_bytes(candidate, model, run, base_compression)
+    return MemoryEstimate(states, working, activations, logits, overhead, host, host_share, compression)
 
 
 class MemoryFilter:
     """Rejects candidates whose estimate exceeds the device (or host) memory less a margin; calibrated by a measured trial."""
 
-    def __init__(self, model: ModelShape, run: RunShape, hardware: Hardware, margin: float):
+    def __init__(self, model: ModelShape, run: RunShape, hardware: Hardware, margin: float,
+                 base_compression: dict[str, Any] | None = None):
         self.model, self.run, self.hardware, self.margin = model, run, hardware, margin
+        self.base_compression = base_compression  # the configs' compression settings (error feedback, residual dtype)
         self.overhead = 0
         self.calibrated_by: int | None = None  # the trial whose measured peak set the overhead
 
@@ -172,11 +202,12 @@ class MemoryFilter:
         return int(self.hardware.host_memory_gb * (1 - self.margin) * GIB)
 
     def estimate(self, candidate: Candidate) -> MemoryEstimate:
-        return estimate(candidate, self.model, self.run, self.overhead)
+        return estimate(candidate, self.model, self.run, self.overhead, self.base_compression)
 
     def calibrate(self, candidate: Candidate, measured_gb: float, trial: int) -> None:
         """Set the overhead so that ``candidate``'s estimate equals its measured peak (it can be negative)."""
-        self.overhead = int(measured_gb * GIB) - estimate(candidate, self.model, self.run).analytic
+        self.overhead = int(measured_gb * GIB) - estimate(candidate, self.model, self.run,
+                                                          base_compression=self.base_compression).analytic
         self.calibrated_by = trial
 
     def rejection(self, candidate: Candidate) -> str | None:

@@ -102,6 +102,12 @@ class Candidate:
                 args["compression"] = None if self.compression == "none" else asdict(CompressionConfig(method=self.compression))
         return args
 
+    def compression_config(self, base_compression: dict[str, Any] | None = None) -> CompressionConfig | None:
+        """The compression this candidate trains with (``strategy_init_args``'s); None without gradient compression."""
+        if self.strategy != "fsdp2" or self.compression == "none":
+            return None
+        return CompressionConfig(**self.strategy_init_args(base_compression)["compression"])
+
     def overlay(self, run: RunShape, base_compression: dict[str, Any] | None = None) -> dict[str, Any]:
         """The config that applies this candidate on top of the user's (what ``best.yaml`` holds)."""
         return {
