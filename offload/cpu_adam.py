@@ -27,7 +27,8 @@ _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 class CpuAdam:
     """Fused CPU AdamW per unit over master-shard views, updates run in order on one worker thread."""
 
-    def __init__(self, layouts: list[UnitLayout], master: list[torch.Tensor], held: torch.optim.Optimizer):
+    def __init__(self, layouts: list[UnitLayout], master: list[torch.Tensor], held: torch.optim.Optimizer,
+                 device: torch.device = torch.device("cpu")):
         if not isinstance(held, torch.optim.AdamW):
             raise TypeError(
                 f"SlideFSDP updates parameters with AdamW on the CPU; configure_optimizers returned "
@@ -52,7 +53,10 @@ class CpuAdam:
                 optimizer.state[piece] = self._fresh_state(piece, optimizer)
             self.pieces.append(pieces)
             self.optimizers.append(optimizer)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slide-fsdp-adam")
+        # On a GPU the worker waits on CUDA events: it must use this rank's device, not create a context on GPU 0.
+        cuda = device.type == "cuda"
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slide-fsdp-adam",
+                                          initializer=torch.cuda.set_device if cuda else None, initargs=(device,) if cuda else ())
         self._pending: list[Future] = []
         self.update_intervals: list[tuple[float, float]] = []  # (start, end) perf_counter of each update
 
@@ -96,6 +100,13 @@ class CpuAdam:
     def submit(self, task: Callable[[], None]) -> None:
         """Run ``task`` on the worker thread after the tasks submitted before it."""
         self._pending.append(self._worker.submit(task))
+
+    def failure(self) -> BaseException | None:
+        """The error of a submitted task that has failed, without waiting for the others (None: none has)."""
+        for future in self._pending:
+            if future.done() and future.exception() is not None:
+                return future.exception()
+        return None
 
     def wait(self) -> None:
         """Wait for every submitted task; re-raises the first task's error in the caller."""

@@ -19,9 +19,22 @@ import torch
 import torch.distributed as dist
 
 from compress.layout import UnitLayout
+from lit_fsdp.errors import OneLineError
 from offload.cpu_adam import CpuAdam
 from offload.host import HostState
 from offload.transfers import Event, Transfers
+
+
+class HostUpdateError(OneLineError):
+    """The host side of a unit's gradients (the copy's wait, the CPU reduce or the CPU update) failed."""
+
+
+def host_update_error(unit: int, error: Exception) -> HostUpdateError:
+    """``error`` as one line naming the unit (unchanged if it already is one)."""
+    if isinstance(error, HostUpdateError):
+        return error
+    cause = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
+    return HostUpdateError(f"SlideFSDP: the host side of unit {unit}'s gradients failed ({type(error).__name__}: {cause})")
 
 
 class GradientPipeline:
@@ -74,15 +87,34 @@ class GradientPipeline:
                 dist.all_reduce(shard, group=self.replicate_group)
             if self.world_size > 1:
                 shard.div_(self.world_size)
-            incoming = self.host.incoming.acquire(shard.numel())
+            incoming = self.host.incoming.acquire(shard.numel(), self.adam.failure)
             copied = self.transfers.d2h(incoming, shard)
         else:
-            incoming = self.host.incoming.acquire(flat.numel())
+            incoming = self.host.incoming.acquire(flat.numel(), self.adam.failure)
             copied = self.transfers.d2h(incoming, flat)
         self.adam.submit(partial(self._on_host, unit, incoming, copied, update_now))
 
     def _on_host(self, unit: int, incoming: torch.Tensor, copied: Event, update_now: bool) -> None:
-        """Worker thread: the unit's gradient is (being) copied into ``incoming``; reduce it here if needed, apply it."""
+        """Worker thread: the unit's gradient is (being) copied into ``incoming``; reduce it here if needed, apply it.
+
+        Whatever fails, the buffer goes back to the ring, and the error becomes one line naming the unit:
+        the backward waiting for a buffer and the optimizer step waiting for the worker raise it.
+        """
+        released = []
+
+        def release() -> None:  # once: early on the kept-gradient path, else when done or failed
+            if not released:
+                released.append(True)
+                self.host.incoming.release(incoming)
+
+        try:
+            self._apply_on_host(unit, incoming, copied, update_now, release)
+        except Exception as error:
+            raise host_update_error(unit, error) from error
+        finally:
+            release()
+
+    def _apply_on_host(self, unit: int, incoming: torch.Tensor, copied: Event, update_now: bool, release) -> None:
         self.transfers.synchronize(copied)
         layout = self.layouts[unit]
         shard = incoming
@@ -99,22 +131,25 @@ class GradientPipeline:
             else:
                 kept.copy_(shard)
             self.received[unit] += 1
-            self.host.incoming.release(incoming)
+            release()  # the kept buffer holds the gradient now
             if update_now:
                 self.update(unit)
             return
         if shard.dtype != torch.float32:
             shard = self.host.scratch[: layout.shard_numel].copy_(shard)
         self._step(unit, shard)
-        self.host.incoming.release(incoming)
 
     def update(self, unit: int) -> None:
         """Apply the kept gradient of ``unit`` (worker thread or idle worker)."""
-        self._step(unit, self.host.gradients[unit])
+        try:
+            self._step(unit, self.host.gradients[unit])
+        except Exception as error:
+            raise host_update_error(unit, error) from error
         self.received[unit] = 0
 
     def _step(self, unit: int, gradient: torch.Tensor) -> None:
-        if self.check_finite and not bool(torch.isfinite(gradient).all()):
+        # one reduction, no mask the size of the gradient: a NaN or an infinity makes the sum non-finite
+        if self.check_finite and not torch.isfinite(gradient.sum(dtype=torch.float32)):
             self.nonfinite_units += 1
             return
         self.adam.update(unit, self.layouts[unit].local_views(gradient))

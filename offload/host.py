@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import queue
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,7 +34,14 @@ SHM_DIR = Path("/dev/shm")
 
 
 def pinned_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    """A host buffer, pinned if ``pin`` and the pinned allocation succeeds, else pageable (with a warning)."""
+    if pin:
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        except RuntimeError as error:  # a 1 MiB probe can pass where a many-GiB allocation fails (WSL, containers)
+            rank_zero_warn(f"SlideFSDP: pinning {numel * torch.empty(0, dtype=dtype).element_size() / 2**30:.2f} GiB "
+                           f"failed ({str(error).strip().splitlines()[0]}); this buffer uses pageable memory")
+    return torch.empty(numel, dtype=dtype)
 
 
 def can_pin(device: torch.device, wanted: bool) -> bool:
@@ -48,6 +56,30 @@ def can_pin(device: torch.device, wanted: bool) -> bool:
     return True
 
 
+CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current device's
+
+
+def register_host_memory(tensor: torch.Tensor, nbytes: int) -> bool:
+    """Pin ``tensor``'s memory in place (``cudaHostRegister``, portable); False, with a warning, if that fails.
+
+    The binding does not clear CUDA's error state after a failed call, which would make an unrelated later
+    kernel fail: the error is read back (and so cleared) with ``cudaGetLastError``; a torch without that
+    binding stops here with the fix instead of going on with the error set.
+    """
+    cudart = torch.cuda.cudart()
+    code = int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE))
+    if code == 0:
+        return True
+    clear = getattr(cudart, "cudaGetLastError", None)
+    if clear is None:
+        raise RuntimeError(f"SlideFSDP: cudaHostRegister of {nbytes / 2**30:.1f} GiB failed (CUDA error {code}); "
+                           "set --trainer.strategy.init_args.pin_memory false to use pageable host memory")
+    clear()
+    rank_zero_warn(f"SlideFSDP: cudaHostRegister of {nbytes / 2**30:.1f} GiB failed (CUDA error {code}); "
+                   "host-to-device copies from it use pageable memory")
+    return False
+
+
 class SharedStaging:
     """One file in /dev/shm that the ranks of a node map together: the full-layout staging copy of every unit.
 
@@ -58,13 +90,15 @@ class SharedStaging:
     def __init__(self, numel: int, dtype: torch.dtype, pin: bool, local_rank: int, node_tag: str, group: dist.ProcessGroup):
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         path = SHM_DIR / f"lit_fsdp_slide_{node_tag}"
+        # Every rank checks, before the barrier: a rank that waited there for local rank 0's refusal would wait
+        # until the collective timeout. The file is sparse until written, so the ranks see the same free space.
+        free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+        if free < nbytes:
+            raise RuntimeError(
+                f"SlideFSDP needs {nbytes / 2**30:.1f} GiB in {SHM_DIR} for the node's shared staging copy, "
+                f"{free / 2**30:.1f} GiB are free; enlarge it (docker run --shm-size) or set param_transfer: shard"
+            )
         if local_rank == 0:
-            free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
-            if free < nbytes:
-                raise RuntimeError(
-                    f"SlideFSDP needs {nbytes / 2**30:.1f} GiB in {SHM_DIR} for the node's shared staging copy, "
-                    f"{free / 2**30:.1f} GiB are free; enlarge it (docker run --shm-size) or set param_transfer: shard"
-                )
             with open(path, "wb") as f:
                 f.truncate(nbytes)
         dist.barrier(group=group)
@@ -72,13 +106,7 @@ class SharedStaging:
         dist.barrier(group=group)
         if local_rank == 0:
             path.unlink()
-        self.pinned = False
-        if pin:
-            code = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
-            self.pinned = int(code) == 0
-            if not self.pinned:
-                rank_zero_warn(f"SlideFSDP: cudaHostRegister of the shared staging copy failed (code {int(code)}); "
-                               "host-to-device copies use pageable memory")
+        self.pinned = register_host_memory(self.tensor, nbytes) if pin else False
 
     def close(self) -> None:
         if self.pinned:
@@ -89,13 +117,23 @@ class SharedStaging:
 class BufferRing:
     """A fixed number of equal host buffers handed out and given back; ``acquire`` waits for a free one."""
 
+    POLL_S = 0.5  # how often a waiting ``acquire`` looks for a failure of the side that gives buffers back
+
     def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool):
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(count):
             self._free.put(pinned_empty(numel, dtype, pin))
 
-    def acquire(self, numel: int) -> torch.Tensor:
-        return self._free.get()[:numel]
+    def acquire(self, numel: int, failure: Callable[[], BaseException | None] = lambda: None) -> torch.Tensor:
+        """A free buffer's first ``numel`` elements; while none is free, raises ``failure()`` once it is not None
+        (the worker that gives buffers back has failed: waiting longer would wait forever)."""
+        while True:
+            try:
+                return self._free.get(timeout=self.POLL_S)[:numel]
+            except queue.Empty:
+                error = failure()
+                if error is not None:
+                    raise error
 
     def release(self, buffer: torch.Tensor) -> None:
         base = buffer if buffer._base is None else buffer._base

@@ -61,6 +61,23 @@ def available_host_bytes() -> int | None:
     return None
 
 
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota where one is set."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def update_threads(processes_per_node: int) -> int:
+    """Threads for one rank's CPU updates: its share of the usable cores, less one for the thread that launches kernels."""
+    return max(1, usable_cores() // processes_per_node - 1)
+
 class SlideFSDPStrategy(CausalLMStrategy):
     """Layer-streaming CPU offload (SlideFSDP): master weights and AdamW on the host, a window of blocks on the device."""
 
@@ -96,7 +113,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
                 support it, else float32. Master weights and AdamW moments stay float32 on the host.
             reduce_dtype: Dtype the gradients are reduced and copied to the host in; ``auto`` follows ``param_dtype``.
             activation_checkpointing: Recompute the activations of every k-th block in backward; 0 turns it off.
-            cpu_threads: Threads of this rank's CPU work (the AdamW updates); default: cores / processes per node.
+            cpu_threads: Threads of this rank's CPU work (the AdamW updates); default: the cores this process may run
+                on (affinity, cgroup CPU quota) / processes per node, less one left to the thread that launches kernels.
             pin_memory: Pin the host buffers that cross PCIe (GPU only); if pinning fails it is turned off with a warning.
             block_class: Class name of the transformer block; default: the model's ``_no_split_modules``.
             on_nonfinite: A step whose loss or gradients are not finite: ``stop`` the run before anything non-finite is
@@ -115,7 +133,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
                 "activation_offload: cpu offloads the inputs of checkpointed blocks; set activation_checkpointing >= 1"
             )
         if cpu_threads is not None and cpu_threads < 1:
-            raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for cores / processes per node")
+            raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for usable cores / processes per node, less one")
         self.window = window
         self.param_transfer = param_transfer
         self.grad_sync = grad_sync
@@ -182,7 +200,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)
         elif self.root_device.type == "cuda":  # Lightning limits threads on CPU runs only; the AdamW updates need it too
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
+            torch.set_num_threads(update_threads(self.num_processes))
         shape = self.mesh_shape(self.world_size, self.num_nodes)
         if self.root_device.type == "cpu":
             self.cpu_mesh = self.device_mesh
@@ -287,7 +305,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         assert self.host is not None and self.engine is not None
         if self.adam is not None:
             self.adam.close()
-        self.adam = CpuAdam(self.host.layouts, self.host.master, self.optimizers[0])
+        self.adam = CpuAdam(self.host.layouts, self.host.master, self.optimizers[0], self.root_device)
         self.engine.gradients.adam = self.adam
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -84,7 +84,7 @@ class Transfers:
         """An event at the current point of the current stream (None on CPU)."""
         if not self.on_cuda:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # the worker thread waits on it: sleep, do not spin a core
         event.record()
         return event
 

@@ -155,3 +155,28 @@ class DieAtStep(pl.Callback):
 
         if trainer.global_rank == self.rank and trainer.global_step >= self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FailHostSide(pl.Callback):
+    """On global rank ``rank``, from optimizer step ``step`` on, SlideFSDP's host side raises: in the CPU update
+    (``update``), the wait for a gradient's copy (``d2h``) or the CPU all-reduce (``reduce``)."""
+
+    def __init__(self, rank: int, step: int, where: str):
+        self.rank, self.step, self.where = rank, step, where
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank != self.rank or trainer.global_step < self.step:
+            return
+        gradients = trainer.strategy.engine.gradients
+
+        def fail(*args, **kwargs):
+            raise RuntimeError(f"injected {self.where} failure")
+
+        if self.where == "update":
+            gradients.adam.update = fail
+        elif self.where == "d2h":
+            gradients.transfers.synchronize = fail
+        else:
+            import offload.gradients
+
+            offload.gradients.dist = type("FailingDist", (), {"all_reduce": staticmethod(fail)})

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
 
 from lit_fsdp.layout import UnitLayout
-from tests.helpers import REPO, fit, run_cli
+from tests.helpers import REPO, fit, fit_arguments, run_cli
 from tests.test_resume_and_export import assert_export_gives_logits, checkpoint_every, digests, record
 
 STEPS = 8
@@ -128,6 +129,20 @@ def test_without_clipping_the_cpu_updates_run_while_the_backward_goes_on(tmp_pat
     got = fit(tmp_path, *common(2, 1, clip=False), *SLIDE, steps=4, callbacks=[{"class_path": "callbacks.OffloadStats"}])
     shares = got["offload/cpu_update_hidden_share"]
     assert len(shares) == 4 and all(0 < share <= 1 for share in shares), shares
+
+
+@pytest.mark.parametrize("where, grad_sync", [("update", "gpu_reduce"), ("d2h", "gpu_reduce"), ("reduce", "cpu_reduce")])
+def test_a_host_side_failing_on_one_rank_stops_every_rank_with_one_line_naming_the_unit(tmp_path, where, grad_sync):
+    # Once the ring of gradient buffers is empty the backward waits for one: it must see the worker's error, not
+    # wait forever (before, a failing update left its buffer taken and the run hung with nothing printed).
+    failing = {"class_path": "tests.probes.FailHostSide", "init_args": {"rank": 1, "step": 2, "where": where}}
+    started = time.monotonic()
+    result = run_cli(*fit_arguments(tmp_path, *common(2, 1, clip=False), *SLIDE, *knobs(grad_sync=grad_sync), steps=6,
+                                    callbacks=[failing]), cwd=tmp_path, check=False)
+    assert result.returncode != 0
+    assert time.monotonic() - started < 120, "the ranks did not stop"  # start-up included; the failure is at step 2
+    lines = [line for line in result.stderr.splitlines() if f"injected {where} failure" in line]
+    assert lines and all("SlideFSDP: the host side of unit" in line for line in lines), result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3])

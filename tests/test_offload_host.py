@@ -1,0 +1,87 @@
+"""SlideFSDP's host side on a GPU's terms, checked on CPU: pinning that fails, the worker's device, the ring."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+
+from offload import cpu_adam, host
+
+
+def test_a_pinned_allocation_that_fails_falls_back_to_pageable_memory(monkeypatch):
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory\nmore")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.warns(UserWarning, match="pinning 0.00 GiB failed .CUDA error: out of memory.; this buffer uses pageable"):
+        buffer = host.pinned_empty(1000, torch.float32, pin=True)
+    assert buffer.numel() == 1000 and not buffer.is_pinned()
+
+
+def fake_cudart(register_code: int, with_get_last_error: bool) -> types.SimpleNamespace:
+    calls = []
+    cudart = types.SimpleNamespace(calls=calls, cudaHostRegister=lambda ptr, size, flags: calls.append(("register", flags)) or register_code)
+    if with_get_last_error:
+        cudart.cudaGetLastError = lambda: calls.append(("get_last_error",)) or register_code
+    return cudart
+
+
+def test_host_registration_is_portable_and_a_failure_clears_cudas_error_state(monkeypatch):
+    cudart = fake_cudart(0, True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    assert host.register_host_memory(torch.zeros(4), 16) and cudart.calls == [("register", 1)]  # cudaHostRegisterPortable
+
+    cudart = fake_cudart(2, True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    with pytest.warns(UserWarning, match="cudaHostRegister of 0.0 GiB failed .CUDA error 2."):
+        assert not host.register_host_memory(torch.zeros(4), 16)
+    assert cudart.calls == [("register", 1), ("get_last_error",)]  # read back, so cleared
+
+
+def test_a_failed_registration_that_cannot_be_cleared_stops_with_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake_cudart(2, False))
+    with pytest.raises(RuntimeError, match="set --trainer.strategy.init_args.pin_memory false"):
+        host.register_host_memory(torch.zeros(4), 16)
+
+
+def test_the_update_worker_uses_the_ranks_device(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: seen.append((device, threading.current_thread().name)))
+    layer = torch.nn.Linear(2, 2)
+    adam = cpu_adam.CpuAdam([], [], torch.optim.AdamW(layer.parameters()), torch.device("cuda", 3))
+    adam.submit(lambda: None)
+    adam.wait()
+    adam.close()
+    assert seen == [(torch.device("cuda", 3), seen[0][1])] and seen[0][1].startswith("slide-fsdp-adam")
+
+
+def test_a_full_ring_raises_the_workers_error_instead_of_waiting_forever(monkeypatch):
+    monkeypatch.setattr(host.BufferRing, "POLL_S", 0.01)
+    ring = host.BufferRing(1, 8, torch.float32, pin=False)
+    ring.acquire(8)  # the only buffer, never given back: its worker failed
+    polls = []
+
+    def failure():
+        polls.append(1)
+        return RuntimeError("unit 2: injected") if len(polls) >= 3 else None
+
+    with pytest.raises(RuntimeError, match="unit 2: injected"):
+        ring.acquire(8, failure)
+    assert len(polls) == 3
+
+
+def test_update_threads_share_the_usable_cores_and_leave_one_for_launching_kernels(monkeypatch):
+    from offload import strategy
+
+    monkeypatch.setattr(strategy.os, "sched_getaffinity", lambda pid: set(range(16)))  # a 16-core affinity mask
+    monkeypatch.setattr(strategy.Path, "read_text", lambda self: "400000 100000\n")  # a cgroup quota of 4 CPUs
+    assert strategy.usable_cores() == 4 and strategy.update_threads(1) == 3 and strategy.update_threads(8) == 1
+    monkeypatch.setattr(strategy.Path, "read_text", lambda self: "max 100000\n")  # no quota
+    assert strategy.usable_cores() == 16 and strategy.update_threads(2) == 7
