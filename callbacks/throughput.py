@@ -133,7 +133,8 @@ class Throughput(pl.Callback):
         pl_module.log(RUNNING_KEY, self.tokens_per_step * len(recent) / sum(recent), prog_bar=True)
 
     def summary(self) -> dict[str, Any]:
-        """Statistics over the steps after warm-up (all steps if there are no more than the warm-up)."""
+        """Statistics over the steps after warm-up (all steps if there are no more than the warm-up, and then
+        ``warmup_steps_included`` is true)."""
         steps = self.step_seconds[self.warmup_steps :] or self.step_seconds
         if not steps:
             return {}
@@ -141,6 +142,8 @@ class Throughput(pl.Callback):
         tokens_per_s = self.tokens_per_step * len(steps) / sum(steps)
         summary = {
             "steps_measured": len(steps),
+            # a run no longer than the warm-up is measured over every step, warm-up included: the record says so
+            "warmup_steps_included": len(self.step_seconds) <= self.warmup_steps,
             "step_time_ms_mean": statistics.fmean(ms),
             "step_time_ms_p50": percentile(ms, 50),
             "step_time_ms_p90": percentile(ms, 90),
@@ -164,5 +167,7 @@ class Throughput(pl.Callback):
         summary = self.summary()
         if not summary:
             return
-        log_metrics(trainer, {f"perf/{key}": value for key, value in summary.items() if value is not None})
+        # loggers take numbers: a flag is logged as 0 or 1 (the results record keeps it a boolean)
+        log_metrics(trainer, {f"perf/{key}": float(value) if isinstance(value, bool) else value
+                              for key, value in summary.items() if value is not None})
         write_json(trainer, "throughput.json", summary)

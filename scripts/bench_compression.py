@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from sweep import METHODS, REPO, launch  # scripts/ is on sys.path when this file runs
+from lit_fsdp.sweep import METHODS, REPO, launch
 
 DATA = REPO.parent / "shared" / "data" / "wikitext2"
 #: torch's own PowerSGD DDP hook at configs/powersgd.yaml's rank and start step: the reference for ``powersgd``
@@ -160,8 +160,11 @@ def table(records: list[dict]) -> str:
         ppl = [r["val_ppl"] for r in runs]
         if base:
             change = [100 * (r["val_ppl"] / base.get(r["seed"], base_mean) - 1) for r in runs]
-            spread = statistics.stdev(change) if len(change) > 1 else 0.0
-            change_text = f"{statistics.fmean(change):+.2f}% ± {spread:.2f}"
+            spread = f"{statistics.stdev(change):.2f}" if len(change) > 1 else "n/a (one seed)"
+            change_text = f"{statistics.fmean(change):+.2f}% ± {spread}"
+            unpaired = sum(r["seed"] not in base for r in runs)
+            if unpaired:  # no baseline run of that seed: compared with the baseline's mean instead, and said so
+                change_text += f" ({unpaired} of {len(runs)} against the baseline mean: no baseline run of that seed)"
         else:
             change_text = "no baseline run"
         lines.append(

@@ -20,12 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+from lit_fsdp.launch import launch
+from lit_fsdp.presets import PRESETS
 
-from lit_fsdp.presets import PRESETS  # noqa: E402
-from sweep import launch  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 STRATEGIES = {
     "slide_fsdp": {"class_path": "offload.SlideFSDPStrategy"},

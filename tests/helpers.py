@@ -9,6 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from lightning.fabric.plugins.environments import LightningEnvironment
+from torch.distributed.device_mesh import DeviceMesh
+
+from compress.config import CompressionConfig
+from lit_fsdp.model import CausalLM
+from lit_fsdp.strategy import FSDP2Strategy
+from lit_fsdp.tune.memory import ModelShape
 from tests.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,3 +103,88 @@ def read_metrics(path: Path) -> dict[str, list[float]]:
                 if value and key not in ("step", "epoch"):
                     metrics.setdefault(key, {})[int(row["step"])] = float(value)
     return {key: [by_step[s] for s in sorted(by_step)] for key, by_step in metrics.items()}
+
+
+# Shared by several test files (a test file never imports another).
+
+# Runs: callbacks given by class path, the batches they record, the export of a checkpoint.
+def checkpoint_every(step: int, dirpath) -> dict:
+    return {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(dirpath), "save_last": True, "every_n_train_steps": step, "save_top_k": -1},
+    }
+
+
+def record(path) -> dict:
+    return {"class_path": "tests.probes.RecordBatches", "init_args": {"path": str(path)}}
+
+
+def digests(path, rank: int) -> list[str]:
+    return [json.loads(line)["digest"] for line in open(f"{path}.rank{rank}.jsonl")]
+
+
+def assert_export_gives_logits(checkpoint, logits_file, tmp_path) -> None:
+    """``lit_fsdp export`` of ``checkpoint`` loads with ``from_pretrained`` and gives the logits a SaveLogits probe saved."""
+    from transformers import AutoModelForCausalLM
+
+    run_cli("export", str(checkpoint), str(tmp_path / "hf"), cwd=tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    saved = torch.load(logits_file)
+    with torch.no_grad():
+        logits = model(input_ids=saved["input_ids"]).logits
+    torch.testing.assert_close(logits, saved["logits"], rtol=1e-5, atol=1e-5)
+
+
+# Compression: a heavy-tailed gradient for a shard of odd size.
+SHARD = 1237  # odd, so chunks and packed bits do not divide evenly
+
+
+def gradient(rank: int, numel: int) -> torch.Tensor:
+    """Gaussian noise with a few large coordinates shared by all ranks, as heavy-tailed gradients have."""
+    noise = torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank))
+    noise[::61] += 30.0
+    return noise
+
+
+# gpt2-tiny sharded by the real strategy on CPU processes, without a Trainer, and a loss on random tokens.
+BATCH, SEQ = 2, 32
+
+
+class CPUStrategy(FSDP2Strategy):
+    """The real strategy without a Trainer: the mesh is set from outside and the device is the CPU."""
+
+    root_device = torch.device("cpu")
+
+
+def sharded_model(rank: int, world: int, mesh: DeviceMesh, sharding: str, compression: CompressionConfig
+                  ) -> tuple[CausalLM, CPUStrategy]:
+    """gpt2-tiny (seed 0) sharded, initialised and given its comm hooks by ``FSDP2Strategy.place``, as in a run."""
+    torch.manual_seed(0)
+    module = CausalLM(preset="gpt2-tiny")
+    module.configure_model()
+    strategy = CPUStrategy(sharding=sharding, compression=compression, param_dtype="float32")
+    strategy._device_mesh = mesh
+    environment = LightningEnvironment()
+    environment.set_world_size(world)
+    environment.set_global_rank(rank)
+    strategy.cluster_environment = environment
+    strategy._lightning_module = module
+    strategy.place(module.model, module)
+    return module, strategy
+
+
+def batch(generator: torch.Generator, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(module: CausalLM, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(module(inputs).float().flatten(0, 1), labels.flatten())
+
+
+# gpt2-tiny with a 512-token vocabulary, counted by hand: a block is ln_1 (128) + c_attn (64 x 192 + 192)
+# + attn c_proj (64 x 64 + 64) + ln_2 (128) + c_fc (64 x 256 + 256) + mlp c_proj (256 x 64 + 64) = 49,984;
+# the root is wte and wpe (512 x 64 each) + ln_f (128); the head is tied to wte.
+BLOCK, ROOT, LAYERS, HIDDEN, INNER, VOCAB = 49_984, 2 * 512 * 64 + 128, 2, 64, 256, 512
+TINY = ModelShape(parameters=LAYERS * BLOCK + ROOT, block_parameters=BLOCK, root_parameters=ROOT, layers=LAYERS,
+                  hidden=HIDDEN, intermediate=INNER, vocab=VOCAB, gated_mlp=False)

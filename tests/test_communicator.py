@@ -10,15 +10,7 @@ from compress.communicator import CommStats, CompressedAllReduce, CompressedRedu
 from compress.config import METHODS, CompressionConfig
 from compress.payload import Payload, layout_of, pack, unpack
 from tests.distributed import run
-
-SHARD = 1237  # odd, so chunks and packed bits do not divide evenly
-
-
-def gradient(rank: int, numel: int) -> torch.Tensor:
-    """Gaussian noise with a few large coordinates shared by all ranks, as heavy-tailed gradients have."""
-    noise = torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank))
-    noise[::61] += 30.0
-    return noise
+from tests.helpers import SHARD, gradient
 
 
 def reduce_scatter(rank: int, world: int, config: dict, op) -> tuple[torch.Tensor, torch.Tensor, dict]:

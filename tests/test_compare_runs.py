@@ -18,7 +18,8 @@ from tests.helpers import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import compare_runs  # noqa: E402
-import sweep as sweep_script  # noqa: E402
+
+from lit_fsdp import sweep as sweep_script  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 # 6 steps of gpt2-tiny on 2 processes, validating at steps 3 and 6; every target of 100 is reached at step 3.

@@ -8,8 +8,7 @@ import math
 import pytest
 
 from compress.config import METHODS
-from tests.helpers import REPO, fit
-from tests.test_resume_and_export import checkpoint_every
+from tests.helpers import REPO, checkpoint_every, fit
 
 METHOD_CONFIGS = sorted(p.stem for p in REPO.glob("configs/*.yaml") if "compression:" in p.read_text())
 ODD_VOCAB = ["--data.vocab_size", "509"]  # rows that do not divide by the world size: FSDP pads the shards

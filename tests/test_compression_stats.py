@@ -15,8 +15,7 @@ from callbacks.compression import CompressionStats, sampled_error, summarise
 from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter
 from compress.config import CompressionConfig
 from tests.distributed import run
-from tests.helpers import REPO, fit
-from tests.test_communicator import SHARD, gradient
+from tests.helpers import REPO, SHARD, fit, gradient
 
 
 def gaussian(rank: int, numel: int) -> torch.Tensor:

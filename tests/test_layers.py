@@ -26,6 +26,7 @@ APPLICATION_MODULES = (
     "lit_fsdp.export",
     "lit_fsdp.trained",  # the model generate and evaluate load
     "lit_fsdp.launch",  # runs `python -m lit_fsdp fit` in a subprocess, for tune and the scripts
+    "lit_fsdp.sweep",  # runs of methods x strategies x seeds, for the scripts
 )
 #: offload and callbacks share a layer and do not import each other.
 SIBLINGS = {"offload", "callbacks"}

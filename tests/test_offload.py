@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from lit_fsdp.layout import UnitLayout
-from tests.helpers import REPO, fit, fit_arguments, run_cli
-from tests.test_resume_and_export import assert_export_gives_logits, checkpoint_every, digests, record
+from tests.helpers import REPO, assert_export_gives_logits, checkpoint_every, digests, fit, fit_arguments, record, run_cli
 
 STEPS = 8
 GLOBAL_BATCH = 4

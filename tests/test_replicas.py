@@ -14,49 +14,14 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
-from lightning.fabric.plugins.environments import LightningEnvironment
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 
 from compress.config import METHODS, CompressionConfig
 from lit_fsdp.model import CausalLM
-from lit_fsdp.strategy import FSDP2Strategy
 from tests.distributed import run
+from tests.helpers import batch, loss_of, sharded_model
 
 STEPS = 12  # the issue's number: int8 diverged in 23 parameter tensors of the quickstart model by then
-BATCH, SEQ = 2, 32
-
-
-class CPUStrategy(FSDP2Strategy):
-    """The real strategy without a Trainer: the mesh is set from outside and the device is the CPU."""
-
-    root_device = torch.device("cpu")
-
-
-def sharded_model(rank: int, world: int, mesh: DeviceMesh, sharding: str, compression: CompressionConfig
-                  ) -> tuple[CausalLM, CPUStrategy]:
-    """gpt2-tiny (seed 0) sharded, initialised and given its comm hooks by ``FSDP2Strategy.place``, as in a run."""
-    torch.manual_seed(0)
-    module = CausalLM(preset="gpt2-tiny")
-    module.configure_model()
-    strategy = CPUStrategy(sharding=sharding, compression=compression, param_dtype="float32")
-    strategy._device_mesh = mesh
-    environment = LightningEnvironment()
-    environment.set_world_size(world)
-    environment.set_global_rank(rank)
-    strategy.cluster_environment = environment
-    strategy._lightning_module = module
-    strategy.place(module.model, module)
-    return module, strategy
-
-
-def batch(generator: torch.Generator, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def loss_of(module: CausalLM, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(module(inputs).float().flatten(0, 1), labels.flatten())
 
 
 def digests(module: CausalLM) -> list[str]:

@@ -2,29 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
-from tests.helpers import fit, run_cli
+from tests.helpers import assert_export_gives_logits, checkpoint_every, digests, fit, record
 
 STEPS = 8
-
-
-def checkpoint_every(step: int, dirpath) -> dict:
-    return {
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-        "init_args": {"dirpath": str(dirpath), "save_last": True, "every_n_train_steps": step, "save_top_k": -1},
-    }
-
-
-def record(path) -> dict:
-    return {"class_path": "tests.probes.RecordBatches", "init_args": {"path": str(path)}}
-
-
-def digests(path, rank: int) -> list[str]:
-    return [json.loads(line)["digest"] for line in open(f"{path}.rank{rank}.jsonl")]
 
 
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "full-file"])
@@ -55,15 +37,3 @@ def test_exported_folder_loads_with_from_pretrained_and_gives_the_same_logits(tm
     fit(tmp_path, steps=3, callbacks=[checkpoint_every(3, ckpts),
                                       {"class_path": "tests.probes.SaveLogits", "init_args": {"path": str(logits_file)}}])
     assert_export_gives_logits(ckpts / "last.ckpt", logits_file, tmp_path)
-
-
-def assert_export_gives_logits(checkpoint, logits_file, tmp_path) -> None:
-    """``lit_fsdp export`` of ``checkpoint`` loads with ``from_pretrained`` and gives the logits a SaveLogits probe saved."""
-    from transformers import AutoModelForCausalLM
-
-    run_cli("export", str(checkpoint), str(tmp_path / "hf"), cwd=tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
-    saved = torch.load(logits_file)
-    with torch.no_grad():
-        logits = model(input_ids=saved["input_ids"]).logits
-    torch.testing.assert_close(logits, saved["logits"], rtol=1e-5, atol=1e-5)

@@ -21,8 +21,8 @@ from torch.distributed.fsdp import FSDPModule
 import compress.timing
 from compress.config import METHODS, CompressionConfig
 from tests.distributed import run
+from tests.helpers import batch, loss_of, sharded_model
 from tests.sync_counter import SyncCounter, SyncPoint, summary
-from tests.test_replicas import batch, loss_of, sharded_model
 
 #: Host synchronisations allowed per hook call (a gradient reduce-scatter, replicate all-reduce or parameter
 #: all-gather: one of each per FSDP unit per step, two all-gathers for units resharded after forward). A method

@@ -155,6 +155,9 @@ def test_running_tokens_per_s_goes_to_the_progress_bar_over_the_last_steps(monke
     assert logged[1][1] == pytest.approx(1024 * 2 / 3.0)  # two steps in 3 s
     assert logged[-1][1] == pytest.approx(1024 / 0.5)  # the last 10 steps, all 0.5 s: the slow start has left
     assert callback.summary()["tokens_per_s"] == pytest.approx(1024 * 14 / sum(callback.step_seconds))
+    assert callback.summary()["warmup_steps_included"] is False  # 14 steps, the default warm-up of 5 left out
+    callback.warmup_steps = 20  # a run no longer than its warm-up: measured over every step, and the record says so
+    assert callback.summary()["steps_measured"] == 14 and callback.summary()["warmup_steps_included"] is True
 
 
 def test_a_two_process_run_logs_mfu_and_samples_per_s(tmp_path):
@@ -162,7 +165,7 @@ def test_a_two_process_run_logs_mfu_and_samples_per_s(tmp_path):
     metrics = fit(tmp_path, devices=2, batch_size=2, steps=6, callbacks=[callback])
     perf = {key.removeprefix("perf/"): values[-1] for key, values in metrics.items() if key.startswith("perf/")}
     # The quickstart's blocks are 128 tokens: 2 sequences x 2 processes a step, timed over the 4 steps after warm-up.
-    assert perf["steps_measured"] == 4 and perf["tokens_per_step"] == 512
+    assert perf["steps_measured"] == 4 and perf["tokens_per_step"] == 512 and perf["warmup_steps_included"] == 0
     assert perf["tokens_per_s"] == pytest.approx(512 / (perf["step_time_ms_mean"] / 1000), rel=1e-6)
     assert perf["samples_per_s"] == pytest.approx(perf["tokens_per_s"] / 128, rel=1e-6)
     # MFU: the model's FLOPs per token x the tokens/s of one of the 2 processes, over the given peak of 0.5 TFLOPS.

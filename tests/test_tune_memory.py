@@ -10,13 +10,7 @@ from lit_fsdp.presets import build_config
 from lit_fsdp.tune.hardware import Hardware
 from lit_fsdp.tune.memory import GIB, MemoryFilter, ModelShape, estimate
 from lit_fsdp.tune.space import Candidate, RunShape
-
-# gpt2-tiny with a 512-token vocabulary, counted by hand: a block is ln_1 (128) + c_attn (64 x 192 + 192)
-# + attn c_proj (64 x 64 + 64) + ln_2 (128) + c_fc (64 x 256 + 256) + mlp c_proj (256 x 64 + 64) = 49,984;
-# the root is wte and wpe (512 x 64 each) + ln_f (128); the head is tied to wte.
-BLOCK, ROOT, LAYERS, HIDDEN, INNER, VOCAB = 49_984, 2 * 512 * 64 + 128, 2, 64, 256, 512
-TINY = ModelShape(parameters=LAYERS * BLOCK + ROOT, block_parameters=BLOCK, root_parameters=ROOT, layers=LAYERS,
-                  hidden=HIDDEN, intermediate=INNER, vocab=VOCAB, gated_mlp=False)
+from tests.helpers import BLOCK, HIDDEN, INNER, LAYERS, ROOT, TINY, VOCAB
 
 
 def run_shape(world: int = 2, nodes: int = 1, accelerator: str = "cpu", batch: int = 8, clipping: bool = False) -> RunShape:

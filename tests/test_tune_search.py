@@ -13,7 +13,7 @@ from lit_fsdp.tune.llm import AdviserError
 from lit_fsdp.tune.memory import GIB, MemoryFilter, estimate
 from lit_fsdp.tune.space import Candidate, RunShape, SearchSpace, outside
 from lit_fsdp.tune.trials import Trial
-from tests.test_tune_memory import TINY
+from tests.helpers import TINY
 
 RUN = RunShape(world_size=2, nodes=1, accelerator="cpu", seq_len=128, batch_per_process=8, clipping=True)
 DEFAULT = Candidate(micro_batch=8)
