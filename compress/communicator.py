@@ -269,12 +269,12 @@ class PayloadMover:
         return total
 
     def collective(self, fn, *args, extra: bool, **kwargs) -> None:
-        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        """Run collective ``fn``; one beyond what the uncompressed path needs (``extra``) is counted and timed."""
         if not extra:
             fn(*args, **kwargs)
             return
         self.stats.extra_collectives += 1
-        with self.timed("extra_collective_s", device):
+        with self.timed("extra_collective_s", next(a.device for a in args if isinstance(a, torch.Tensor))):
             fn(*args, **kwargs)
 
     def read_counts(self, *counts: torch.Tensor) -> list[list[int]]:

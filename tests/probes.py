@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from compress.torch_compat import ReduceScatter
+from compress.torch_compat import ReduceScatter, checkpoint_wrapper
 
 
 class RecordBatches(pl.Callback):
@@ -52,7 +52,7 @@ class SaveLogits(pl.Callback):
 
 
 class CountingReduceScatter(ReduceScatter):
-    """The default reduce-scatter that also appends one line per call to ``<path>.rank<r>``."""
+    """The default reduce-scatter that also appends one line per call to ``<path>.rank<r>``: its numel and dtype."""
 
     def __init__(self, path: str):
         self.path = path
@@ -62,12 +62,12 @@ class CountingReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         with open(f"{self.path}.rank{dist.get_rank()}", "a") as f:
-            f.write(f"{input_tensor.numel()}\n")
+            f.write(f"{input_tensor.numel()} {input_tensor.dtype}\n")
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 class CountReduceScatters:
-    """A ``comm_hook`` for FSDP2Strategy: counts every gradient reduce-scatter of every FSDP module."""
+    """A ``comm_hook`` for FSDP2Strategy: records every gradient reduce-scatter of every FSDP module (numel, dtype)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -180,3 +180,71 @@ class FailHostSide(pl.Callback):
             import offload.gradients
 
             offload.gradients.dist = type("FailingDist", (), {"all_reduce": staticmethod(fail)})
+
+
+class RecordPlacement(pl.Callback):
+    """Rank 0 writes to ``path`` how the strategy placed the network: its FSDP units (root first), each unit's
+    forward and backward prefetch lists (as unit indices), the checkpoint-wrapped and the compiled modules."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_rank:
+            return
+        network = pl_module.model
+        # fully_shard on a group makes every module of it an FSDPModule sharing one state: a unit is a state.
+        # _get_fsdp_state and the prefetch lists are private (torch 2.13): FSDP2 has no getter for what
+        # set_modules_to_forward_prefetch/set_modules_to_backward_prefetch set.
+        units: dict = {}
+        for name, module in network.named_modules():
+            if isinstance(module, FSDPModule):
+                units.setdefault(module._get_fsdp_state(), []).append(name)
+        index = {state: i for i, state in enumerate(units)}
+        wrapper = type(checkpoint_wrapper(torch.nn.Identity()))
+        placement = {
+            "units": list(units.values()),
+            "forward_prefetch": [[index[s] for s in state._states_to_forward_prefetch] for state in units],
+            "backward_prefetch": [[index[s] for s in state._states_to_backward_prefetch] for state in units],
+            "checkpointed": [name for name, module in network.named_modules() if isinstance(module, wrapper)],
+            # nn.Module.compile() leaves the compiled call here (private); __call__ runs it instead of forward
+            "compiled": [name for name, module in network.named_modules()
+                         if getattr(module, "_compiled_call_impl", None) is not None],
+        }
+        with open(self.path, "w") as f:
+            json.dump(placement, f)
+
+
+class RecordDtypes(pl.Callback):
+    """Rank 0 writes to ``path`` the dtypes of the first block's weights and output in forward, and of the
+    parameters, gradients and AdamW moments the optimizer steps on."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.seen: dict = {}
+
+    def on_train_start(self, trainer, pl_module):
+        network = pl_module.model
+        block = next(m for m in network.modules() if isinstance(m, FSDPModule) and m is not network)  # the first block
+
+        def before(module, args):  # after FSDP2's own pre-hook: the gathered weights
+            self.seen.setdefault("forward_weights", sorted({str(p.dtype) for p in module.parameters()}))
+
+        def after(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            self.seen.setdefault("forward_output", str(hidden.dtype))
+
+        block.register_forward_pre_hook(before)
+        block.register_forward_hook(after)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        params = list(pl_module.model.parameters())
+        self.seen["parameters"] = sorted({str(p.dtype) for p in params})
+        self.seen["gradients"] = sorted({str(p.grad.dtype) for p in params if p.grad is not None})
+
+    def on_train_end(self, trainer, pl_module):
+        moments = trainer.optimizers[0].state.values()
+        self.seen["adam_moments"] = sorted({str(s[name].dtype) for s in moments for name in ("exp_avg", "exp_avg_sq")})
+        if trainer.global_rank == 0:
+            with open(self.path, "w") as f:
+                json.dump(self.seen, f)

@@ -49,6 +49,6 @@ def test_gradient_accumulation_matches_and_skips_sync_between_boundaries(tmp_pat
         steps=STEPS,
     )
     assert_same_steps(got, reference, keys=("train/grad_norm",))
-    calls = (counts.parent / "rs.rank0").read_text().split()
+    calls = (counts.parent / "rs.rank0").read_text().splitlines()
     fsdp_units = 3  # two gpt2-tiny blocks and the root
     assert len(calls) == STEPS * fsdp_units  # one reduce-scatter per unit per optimizer step, not per micro-batch

@@ -5,14 +5,8 @@ from __future__ import annotations
 import json
 import math
 
-import lightning.pytorch as pl
 import pytest
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 
-from compress.torch_compat import ReduceScatter, checkpoint_wrapper
 from tests.helpers import fit
 
 
@@ -31,44 +25,11 @@ def test_synthetic_loss_falls_toward_the_entropy_floor(tmp_path):
     assert floor - 0.05 < end < floor + 0.1 * (start - floor), (floor, start, end)
 
 
-class RecordPlacement(pl.Callback):
-    """Rank 0 writes to ``path`` how the strategy placed the network: its FSDP units (root first), each unit's
-    forward and backward prefetch lists (as unit indices), the checkpoint-wrapped and the compiled modules."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def on_train_start(self, trainer, pl_module):
-        if trainer.global_rank:
-            return
-        network = pl_module.model
-        # fully_shard on a group makes every module of it an FSDPModule sharing one state: a unit is a state.
-        # _get_fsdp_state and the prefetch lists are private (torch 2.13): FSDP2 has no getter for what
-        # set_modules_to_forward_prefetch/set_modules_to_backward_prefetch set.
-        units: dict = {}
-        for name, module in network.named_modules():
-            if isinstance(module, FSDPModule):
-                units.setdefault(module._get_fsdp_state(), []).append(name)
-        index = {state: i for i, state in enumerate(units)}
-        wrapper = type(checkpoint_wrapper(torch.nn.Identity()))
-        placement = {
-            "units": list(units.values()),
-            "forward_prefetch": [[index[s] for s in state._states_to_forward_prefetch] for state in units],
-            "backward_prefetch": [[index[s] for s in state._states_to_backward_prefetch] for state in units],
-            "checkpointed": [name for name, module in network.named_modules() if isinstance(module, wrapper)],
-            # nn.Module.compile() leaves the compiled call here (private); __call__ runs it instead of forward
-            "compiled": [name for name, module in network.named_modules()
-                         if getattr(module, "_compiled_call_impl", None) is not None],
-        }
-        with open(self.path, "w") as f:
-            json.dump(placement, f)
-
-
 def placed(tmp_path, *args, **kwargs) -> tuple[dict, dict]:
     """A short llama-tiny fit with 4 blocks: its metrics and how the strategy placed the network."""
     probe = tmp_path / "placement.json"
     metrics = fit(tmp_path, "--model.preset", "llama-tiny", "--model.config_overrides", "{num_hidden_layers: 4}", *args,
-                  callbacks=[{"class_path": f"{__name__}.RecordPlacement", "init_args": {"path": str(probe)}}], **kwargs)
+                  callbacks=[{"class_path": "tests.probes.RecordPlacement", "init_args": {"path": str(probe)}}], **kwargs)
     return metrics, json.loads(probe.read_text())
 
 
@@ -103,75 +64,15 @@ def test_checkpointing_grouping_prefetch_and_compile_are_applied_and_leave_the_l
     assert compiled["train/loss"] == pytest.approx(plain["train/loss"][:2], rel=1e-4)  # 1 vs 2 processes, same batch
 
 
-class RecordDtypes(pl.Callback):
-    """Rank 0 writes to ``path`` the dtypes of the first block's weights and output in forward, and of the
-    parameters, gradients and AdamW moments the optimizer steps on."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.seen: dict = {}
-
-    def on_train_start(self, trainer, pl_module):
-        network = pl_module.model
-        block = next(m for m in network.modules() if isinstance(m, FSDPModule) and m is not network)  # the first block
-
-        def before(module, args):  # after FSDP2's own pre-hook: the gathered weights
-            self.seen.setdefault("forward_weights", sorted({str(p.dtype) for p in module.parameters()}))
-
-        def after(module, args, output):
-            hidden = output[0] if isinstance(output, tuple) else output
-            self.seen.setdefault("forward_output", str(hidden.dtype))
-
-        block.register_forward_pre_hook(before)
-        block.register_forward_hook(after)
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        params = list(pl_module.model.parameters())
-        self.seen["parameters"] = sorted({str(p.dtype) for p in params})
-        self.seen["gradients"] = sorted({str(p.grad.dtype) for p in params if p.grad is not None})
-
-    def on_train_end(self, trainer, pl_module):
-        moments = trainer.optimizers[0].state.values()
-        self.seen["adam_moments"] = sorted({str(s[name].dtype) for s in moments for name in ("exp_avg", "exp_avg_sq")})
-        if trainer.global_rank == 0:
-            with open(self.path, "w") as f:
-                json.dump(self.seen, f)
-
-
-class RecordingReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter that also appends the dtype it reduces in to ``<path>.rank<r>``."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        with open(f"{self.path}.rank{dist.get_rank()}", "a") as f:
-            f.write(f"{input_tensor.dtype}\n")
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-
-class RecordReduceDtype:
-    """A ``comm_hook``: every FSDP module's gradient reduce-scatter records its dtype."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def register(self, module: FSDPModule, mesh: DeviceMesh) -> None:
-        module.set_custom_reduce_scatter(RecordingReduceScatter(self.path))
-
-
 def test_bfloat16_compute_with_float32_reduce_trains_and_keeps_float32_weights(tmp_path):
     probe, reduced = tmp_path / "dtypes.json", tmp_path / "reduce"
     metrics = fit(
         tmp_path,
         "--trainer.strategy.init_args.param_dtype", "bfloat16",
         "--trainer.strategy.init_args.reduce_dtype", "float32",
-        "--trainer.strategy.init_args.comm_hook", f"{__name__}.RecordReduceDtype",
+        "--trainer.strategy.init_args.comm_hook", "tests.probes.CountReduceScatters",
         "--trainer.strategy.init_args.comm_hook.path", str(reduced),
-        steps=6, callbacks=[{"class_path": f"{__name__}.RecordDtypes", "init_args": {"path": str(probe)}}],
+        steps=6, callbacks=[{"class_path": "tests.probes.RecordDtypes", "init_args": {"path": str(probe)}}],
     )
     losses = metrics["train/loss"]
     assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
@@ -181,5 +82,6 @@ def test_bfloat16_compute_with_float32_reduce_trains_and_keeps_float32_weights(t
         "parameters": ["torch.float32"], "gradients": ["torch.float32"], "adam_moments": ["torch.float32"],
     }
     for rank in (0, 1):  # 3 units (two blocks and the root) x 6 steps, every one reduced in float32
-        assert (tmp_path / f"reduce.rank{rank}").read_text().split() == ["torch.float32"] * 18
+        calls = (tmp_path / f"reduce.rank{rank}").read_text().splitlines()
+        assert [call.split()[1] for call in calls] == ["torch.float32"] * 18
 
