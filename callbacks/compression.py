@@ -23,7 +23,9 @@ class CompressionStats(pl.Callback):
     error-feedback residuals plus the largest call's send and receive buffers. On sampled steps each rank
     also decodes its own payloads and logs ``grad_rel_error`` (||est - g|| / ||g||) and ``grad_cosine``
     against the gradient before error feedback, over all FSDP units; that decoding is not counted as
-    codec time. Totals over the run go to ``<default_root_dir>/compression.json``.
+    codec time. Totals over the run go to ``<default_root_dir>/compression.json``; the results record has the
+    ratio over the whole run and over the steps after the method's warm-up (1-bit Adam's freeze, PowerSGD's
+    start, DGC's density warm-up: ``compression_ratio_after_warmup``).
     """
 
     def __init__(self, sample_every_n_steps: int = 10) -> None:
@@ -37,6 +39,7 @@ class CompressionStats(pl.Callback):
             raise ValueError(f"CompressionStats: sample_every_n_steps={every!r} is not an integer >= 0 (0: off)")
         self.sample_every_n_steps = sample_every_n_steps
         self.totals: dict[str, float] = {}
+        self.after_warmup = dict.fromkeys(("bytes_raw", "bytes_sent", "numel", "values_sent"), 0)  # from the method's warm-up on (CompressionConfig.warmup)
         self.samples: list[dict[str, float]] = []  # grad_rel_error and grad_cosine of each sampled step
         self.peak_extra_memory = 0
         self.residual_norm: float | None = None
@@ -65,6 +68,9 @@ class CompressionStats(pl.Callback):
                 self.totals[key] = max(self.totals.get(key, 0), value)
             elif not key.startswith(_SAMPLED):
                 self.totals[key] = self.totals.get(key, 0) + value
+        if trainer.global_step > hook.config.warmup():  # the step just taken was past the warm-up
+            for key in self.after_warmup:
+                self.after_warmup[key] += step[key]
         logged = {key: value for key, value in step.items() if key != "calls" and not key.startswith(_SAMPLED)}
         metrics = {f"compress/{key}": value for key, value in logged.items()}
         metrics.update(summarise(step))
@@ -84,7 +90,9 @@ class CompressionStats(pl.Callback):
         hook = self._hook(trainer)
         if hook is None:
             return
-        report = {"method": hook.config.method, "config": vars(hook.config), **self.totals, **summarise(self.totals)}
+        report = {"method": hook.config.method, "config": vars(hook.config), **self.totals, **summarise(self.totals),
+                  "warmup_steps": hook.config.warmup(),
+                  "ratio_after_warmup": summarise(self.after_warmup).get("compress/ratio_vs_fp32")}
         report.update(memory_metrics(hook))
         report.update(self.run_figures())
         write_json(trainer, "compression.json", report)
@@ -106,6 +114,7 @@ class CompressionStats(pl.Callback):
         return {
             "bytes_raw_total": totals["bytes_raw"], "bytes_compressed_total": totals["bytes_sent"],
             "compression_ratio": ratios.get("compress/ratio_vs_fp32"),
+            "compression_ratio_after_warmup": summarise(self.after_warmup).get("compress/ratio_vs_fp32"),
             "compress_time_ms": 1000 * totals["compress_s"], "decompress_time_ms": 1000 * totals["decompress_s"],
             "extra_collectives": totals["extra_collectives"], "nonfinite": totals["nonfinite"],
             "index_share": ratios.get("compress/index_share"), "density": ratios.get("compress/density"),

@@ -35,7 +35,7 @@ from compress.payload import (
     SCALAR_BYTES, Compressor, Payload, is_variable_size, layout_nbytes, layout_of, nbytes, pack, unpack,
 )
 from compress.timing import DeviceClock
-from compress.torch_compat import ReduceScatter, all_gather_bytes
+from compress.torch_compat import ReduceScatter, all_gather_bytes, all_gather_flat, reduce_scatter_flat
 
 
 @dataclass
@@ -146,6 +146,20 @@ def kept_values(payload: Payload) -> int:
     return payload.numel if payload.kept is None else payload.kept
 
 
+def compressing(compressor: Compressor) -> bool:
+    """Whether ``compressor`` compresses this call (1-bit Adam does not during its warm-up: ``compressing``)."""
+    return bool(getattr(compressor, "compressing", True))
+
+
+def count_uncompressed(stats: CommStats, tensor: torch.Tensor, sent_share: float) -> None:
+    """Count a call that sent ``tensor`` uncompressed; ``sent_share`` of its elements leave this rank."""
+    stats.calls += 1
+    stats.numel += tensor.numel()
+    stats.values_sent += tensor.numel()
+    stats.bytes_raw += round(sent_share * tensor.numel()) * 4
+    stats.bytes_sent += round(sent_share * tensor.numel()) * tensor.element_size()
+
+
 def screen(tensor: torch.Tensor, counters: HookCounters) -> torch.Tensor:
     """Non-finite gradient values are counted on the device (the strategy's guard reads the count) and sent as zeros."""
     finite = torch.isfinite(tensor)
@@ -237,15 +251,19 @@ class PayloadMover:
         with self.timed("compress_s", rows[0].device):
             return torch.stack([self.compressor.kept_count(row, key) for row, key in zip(rows, keys)]).long()
 
-    def sample(self, payloads: list[Payload], inputs: list[torch.Tensor]) -> None:
+    def sample(self, payloads: list[Payload], inputs: list[torch.Tensor], keys: list[str]) -> None:
         """On a sampled step, decode this rank's own ``payloads`` and compare them with the ``inputs`` they came from.
 
-        ``inputs`` are the rows as handed to the compressor, before error feedback adds its residual. A
+        ``inputs`` are the rows as handed to the compressor, before error feedback adds its residual (a
+        compressor that encodes something else, such as 1-bit Adam's momentum, names it: ``compared_with``). A
         measurement, not the method's cost: no communication, and not counted in compress_s/decompress_s.
         Call it before any collective, which may reduce payload tensors in place.
         """
         if not self.stats.sampling:
             return
+        compared_with = getattr(self.compressor, "compared_with", None)
+        if compared_with is not None:
+            inputs = [compared_with(row, key) for row, key in zip(inputs, keys)]
         sums = torch.zeros(4, dtype=torch.float64, device=inputs[0].device)
         for payload, reference in zip(payloads, inputs):
             estimate = self.compressor.decompress(payload).float()
@@ -311,6 +329,9 @@ class CompressedReduceScatter(ReduceScatter):
         mover, stats = self.mover, self.mover.stats
         world, rank = group.size(), group.rank()
         seed = mover.next_seed()
+        if not compressing(mover.compressor):
+            self._uncompressed(output_tensor, input_tensor, group, op)
+            return None
         rows = mover.screen(input_tensor.float()).view(world, -1)
         stats.calls += 1
         stats.numel += rows.numel()
@@ -322,13 +343,19 @@ class CompressedReduceScatter(ReduceScatter):
         if is_variable_size(mover.compressor):
             kept, theirs = self._exchange_counts(mover.kept_counts(list(rows), keys), group)
         payloads = [mover.compress(rows[d], keys[d], seed + d, kept[d]) for d in range(world)]
-        mover.sample(payloads, list(rows))
+        mover.sample(payloads, list(rows), keys)
         if mover.compressor.linear:
             result = mover.decompress([self._reduce_scatter_payloads(payloads, group, rank)], rows.device)
         else:
             result = mover.decompress(self._all_to_all(payloads, theirs, group, rank), rows.device)
         output_tensor.copy_(apply_op(result, op, world, prescaled=mover.compressor.linear))
         return None
+
+    def _uncompressed(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op: object) -> None:
+        """FSDP2's own reduce-scatter, the same collective with the same op (a method's uncompressed warm-up)."""
+        mover, stats, world = self.mover, self.mover.stats, group.size()
+        mover.collective(reduce_scatter_flat, output_tensor, input_tensor, op=op, group=group, extra=False)
+        count_uncompressed(stats, input_tensor, sent_share=(world - 1) / world)
 
     def _exchange_counts(self, counts: torch.Tensor, group) -> tuple[list[int], list[int]]:
         """This rank's count per destination row, and every source's count for this rank's row (one host read)."""
@@ -347,7 +374,7 @@ class CompressedReduceScatter(ReduceScatter):
             shape = payloads[rank].tensors[name].shape
             stacked = torch.cat([p.tensors[name].reshape(-1) for p in payloads])
             out = stacked.new_empty(stacked.numel() // world)
-            mover.collective(dist.reduce_scatter_tensor, out, stacked, op=dist.ReduceOp.SUM, group=group, extra=index > 0)
+            mover.collective(reduce_scatter_flat, out, stacked, op=dist.ReduceOp.SUM, group=group, extra=index > 0)
             summed[name] = out.view(shape)
             held += nbytes(stacked, out)
         mover.hold(held)
@@ -391,6 +418,11 @@ class CompressedAllReduce:
         world = group.size()
         keep_alive(reduce_output)
         seed = mover.next_seed()
+        if not compressing(mover.compressor):  # a method's uncompressed warm-up: the replicas' plain average
+            mover.collective(dist.all_reduce, reduce_output, op=dist.ReduceOp.SUM, group=group, extra=False)
+            reduce_output.div_(world)
+            count_uncompressed(stats, reduce_output, sent_share=2 * (world - 1) / world)  # a ring all-reduce
+            return
         flat = mover.screen(reduce_output.float()).view(-1)
         key = f"{mover.name}/ar"
         stats.calls += 1
@@ -399,7 +431,7 @@ class CompressedAllReduce:
         if mover.compressor.linear:
             scaled = flat / world
             payload = mover.compress(scaled, key, seed)
-            mover.sample([payload], [scaled])
+            mover.sample([payload], [scaled], [key])
             mover.hold(nbytes(*payload.tensors.values()))  # reduced in place
             for index, tensor in enumerate(payload.tensors.values()):
                 mover.collective(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=group, extra=index > 0)
@@ -422,12 +454,12 @@ class CompressedAllReduce:
         if is_variable_size(mover.compressor):
             mine = mover.kept_counts([flat], [key])
             everyone = mine.new_empty(world)
-            mover.collective(dist.all_gather_into_tensor, everyone, mine, group=group, extra=True)
+            mover.collective(all_gather_flat, everyone, mine, group=group, extra=True)
             (counts,) = mover.read_counts(everyone)
             kept = counts[group.rank()]
             stats.bytes_sent += (world - 1) * 8
         payload = mover.compress(flat, key, seed, kept)
-        mover.sample([payload], [flat])
+        mover.sample([payload], [flat], [key])
         if kept is None:
             layouts = [(layout_of(payload), payload)] * world
         else:

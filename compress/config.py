@@ -14,6 +14,7 @@ import torch
 from compress.dgc import DeepGradientCompression
 from compress.error_feedback import ErrorFeedback
 from compress.lowrank import LowRank
+from compress.onebit_adam import OneBitMomentum
 from compress.payload import Compressor
 from compress.powersgd import PowerSGD
 from compress.quantize import FP8, QSGD, CastBF16, CastFP16, IntQuant, NaturalCompression, OneBit, SignSGD
@@ -63,6 +64,11 @@ METHODS: dict[str, Method] = {
     ),
     "signsgd": Method("signs and one scale (mean magnitude) per chunk", {"chunk_size": 1024}, SignSGD),
     "onebit": Method("1-bit SGD: signs and per-chunk means of each sign", {"chunk_size": 1024}, OneBit),
+    "onebit_adam": Method(
+        "1-bit Adam (replaces AdamW): AdamW for freeze_step steps, then local momenta as signs and a scale per chunk, "
+        "error feedback built in, variance frozen",
+        {"freeze_step": 100, "chunk_size": 1024}, OneBitMomentum, feedback=False,
+    ),
 }
 SPARSIFIERS = ("topk", "randomk", "thresholdv")
 QUANTIZERS = ("fp16", "bf16", "fp8", "int8", "qsgd", "natural")
@@ -75,6 +81,8 @@ _RANDOMISED = {"qsgd", "natural"}  # draw private random numbers: salted with th
 RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: methods whose own state holds a float32 residual per gradient element (error feedback built in)
 _BUILT_IN_RESIDUAL = ("powersgd", "sketch")
+#: methods with built-in error feedback whose state follows residual_dtype (a residual and a local momentum)
+_OWN_STATE_DTYPE = ("onebit_adam",)
 
 
 @dataclass
@@ -82,7 +90,8 @@ class CompressionConfig:
     """Gradient compression for FSDP2 communication; unset parameters take the method's default."""
 
     method: str = "none"
-    """none, fp16, bf16, fp8, int8, qsgd, natural, topk, randomk, thresholdv, sketch, lowrank, powersgd, signsgd, onebit"""
+    """none, fp16, bf16, fp8, int8, qsgd, natural, topk, randomk, thresholdv, sketch, lowrank, powersgd, signsgd, onebit,
+    onebit_adam"""
     error_feedback: bool = False
     """carry what compression dropped into the next step (biased methods only)"""
     quantize: str | None = None
@@ -94,7 +103,9 @@ class CompressionConfig:
     num_bits: int | None = None
     """int8: bits per value, 2 to 8"""
     chunk_size: int | None = None
-    """fp8, int8, qsgd, signsgd, onebit: elements sharing one scale"""
+    """fp8, int8, qsgd, signsgd, onebit, onebit_adam: elements sharing one scale"""
+    freeze_step: int | None = None
+    """onebit_adam: AdamW steps, with uncompressed gradients, before the variance is frozen and momenta go as signs"""
     levels: int | None = None
     """qsgd: quantisation levels"""
     rescale: bool | None = None
@@ -125,8 +136,8 @@ class CompressionConfig:
     warmup_steps: int | None = None
     """topk (DGC): steps from dense to the target ratio, exponentially (0: the target from the start)"""
     residual_dtype: str = "float32"
-    """error feedback: dtype the residuals (and DGC's velocities) are kept in between steps, float32 or bfloat16
-    (half their memory, a whole model's worth per GPU; the arithmetic stays float32)"""
+    """error feedback: dtype the residuals (and DGC's velocities, 1-bit Adam's local momenta) are kept in between
+    steps, float32 or bfloat16 (half their memory, a whole model's worth per GPU; the arithmetic stays float32)"""
 
     def parameters(self) -> dict[str, Any]:
         """The method's parameters: its defaults, overridden by what was set."""
@@ -154,6 +165,8 @@ class CompressionConfig:
         residual_dtype = RESIDUAL_DTYPES[self._residual_dtype()]
         parameters = self.parameters()
         dgc = {name: parameters.pop(name) for name in DGC_OPTIONS if name in parameters}
+        if self.method in _OWN_STATE_DTYPE:
+            parameters["state_dtype"] = residual_dtype
         compressor = _build(self.method, parameters, rank)
         if self.quantize is not None:
             if self.method not in SPARSIFIERS or self.quantize not in QUANTIZERS:
@@ -163,7 +176,8 @@ class CompressionConfig:
         if self.error_feedback:
             if not method.feedback or (self.method == "randomk" and self.parameters()["rescale"]):
                 built_in = "built with its own error feedback"
-                kind = {"none": "no compression", "powersgd": built_in, "sketch": built_in}.get(self.method, "unbiased")
+                kind = {"none": "no compression", **{name: built_in for name in (*_BUILT_IN_RESIDUAL, *_OWN_STATE_DTYPE)}
+                        }.get(self.method, "unbiased")
                 raise ValueError(f"error_feedback needs a biased method; {self.method!r} is {kind}: set error_feedback false")
             dgc_on = {name: value for name, value in dgc.items() if value != DGC_OPTIONS[name]}
             compressor = (DeepGradientCompression(compressor, **dgc, residual_dtype=residual_dtype) if dgc_on
@@ -196,6 +210,8 @@ class CompressionConfig:
             return 4 + 4 * self.parameters()["rank"] / rows
         if self.method == "sketch":
             return 4
+        if self.method in _OWN_STATE_DTYPE:  # a residual and a local momentum
+            return 2 * RESIDUAL_DTYPES[self._residual_dtype()].itemsize
         if not self.error_feedback:
             return 0
         residual = RESIDUAL_DTYPES[self._residual_dtype()].itemsize
@@ -211,13 +227,26 @@ class CompressionConfig:
         """
         if self.method == "none":
             return 0
+        if self.method in _OWN_STATE_DTYPE:  # local momenta where gradients enter (every parameter), residuals after
+            residual = RESIDUAL_DTYPES[self._residual_dtype()].itemsize
+            return int(2 * residual * parameters + residual * (parameters // shard) * (shard > 1 and replicas > 1))
         elements = parameters * (shard > 1) + parameters // shard * (replicas > 1)
         return int(self.state_bytes_per_param(rows) * elements)
+
+    def warmup(self) -> int:
+        """Optimizer steps before the method reaches its steady state: 1-bit Adam's freeze, PowerSGD's start,
+        DGC's density warm-up (0: from the first step). Ratios are also reported from then on."""
+        parameters = self.parameters()
+        if self.method == "onebit_adam":
+            return parameters["freeze_step"]
+        if self.method == "powersgd":
+            return parameters["start_step"]
+        return parameters.get("warmup_steps") or 0
 
     def _residual_dtype(self) -> str:
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"compression residual_dtype {self.residual_dtype!r} is not one of {', '.join(RESIDUAL_DTYPES)}")
-        if self.residual_dtype != "float32" and not self.error_feedback:
+        if self.residual_dtype != "float32" and not self.error_feedback and self.method not in _OWN_STATE_DTYPE:
             built_in = self.method in _BUILT_IN_RESIDUAL
             why = f"{self.method!r} keeps its built-in residuals in float32" if built_in else "error_feedback is false"
             raise ValueError(f"compression residual_dtype {self.residual_dtype} stores error-feedback residuals, but {why}; "
@@ -254,7 +283,9 @@ def describe_methods() -> str:
     lines.append("error_feedback: true for every method but none, qsgd, natural and rescaled randomk (unbiased) and "
                  "powersgd and sketch (built in)")
     lines.append("topk with error_feedback: true and momentum, clip_norm or warmup_steps: Deep Gradient Compression")
-    lines.append("residual_dtype: float32 | bfloat16 keeps error-feedback residuals (and DGC velocities) in half the memory")
+    lines.append("residual_dtype: float32 | bfloat16 keeps error-feedback residuals (and DGC velocities, 1-bit Adam's "
+                 "local momenta) in half the memory")
+    lines.append("onebit_adam replaces the model's AdamW (same parameter groups and learning-rate schedule)")
     lines.append(f"param_all_gather: {' | '.join(PARAM_GATHER_METHODS)} quantises FSDP2's parameter all-gather")
     lines.append(f"composite: a sparsifier ({', '.join(SPARSIFIERS)}) with quantize: {' | '.join(QUANTIZERS)}")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter, RestoredState
 from compress.config import CompressionConfig
+from compress.onebit_adam import OneBitAdam, OneBitMomentum
 from compress.param_gather import QuantizedAllGather
 from compress.powersgd import PowerSGD, PowerSGDAllReduce, PowerSGDReduceScatter, unit_layout
 from compress.sketched_sgd import SketchedAllReduce, SketchedReduceScatter, SketchedSGD
@@ -92,11 +93,26 @@ class GradientCompression:
             reduce_scatter_type, all_reduce_type = SketchedReduceScatter, SketchedAllReduce
         else:
             reduce_scatter_type, all_reduce_type = CompressedReduceScatter, CompressedAllReduce
+        all_reduce_compressor = self.compressor
         if shard.size() > 1:
             reduce_scatter = reduce_scatter_type(self.compressor, self.stats, name, self.restored)
             module.set_custom_reduce_scatter(reduce_scatter)
             self._movers.append(reduce_scatter.mover)
-        if mesh.ndim == 2 and mesh["replicate"].size() > 1:
-            all_reduce = all_reduce_type(self.compressor, self.stats, name, mesh["replicate"].get_group(), self.restored)
-            module.set_all_reduce_hook(all_reduce)
-            self._movers.append(all_reduce.mover)
+            if isinstance(self.compressor, OneBitMomentum):  # the replicas average momentum the shard group averaged
+                all_reduce_compressor = self.compressor.second_stage()
+        replicas = mesh["replicate"] if mesh.ndim == 2 else None
+        if replicas is not None and replicas.size() > 1:
+            group = replicas.get_group()
+        elif shard.size() == 1 and isinstance(self.compressor, OneBitMomentum):
+            group = shard.get_group()  # one process: its momentum is still compressed (FSDP2 calls the hook anyway)
+        else:
+            return
+        all_reduce = all_reduce_type(all_reduce_compressor, self.stats, name, group, self.restored)
+        module.set_all_reduce_hook(all_reduce)
+        self._movers.append(all_reduce.mover)
+
+    def optimizer(self, params, **adamw) -> torch.optim.Optimizer | None:
+        """The optimizer this method needs in place of AdamW, built with AdamW's arguments (None: AdamW itself)."""
+        if not isinstance(self.compressor, OneBitMomentum):
+            return None
+        return OneBitAdam(params, self.compressor.phase, **adamw)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from compress.communicator import CommStats, HookCounters, RestoredState, apply_op, keep_alive, screen
 from compress.error_feedback import Residuals
 from compress.layout import ParamPlace, UnitLayout
-from compress.torch_compat import ReduceScatter
+from compress.torch_compat import ReduceScatter, reduce_scatter_flat
 
 
 
@@ -193,7 +193,7 @@ class PowerSGDReduceScatter(ReduceScatter):
         step = self.state.steps.get(self.name, 0)
         self.state.steps[self.name] = step + 1
         if step < self.state.start_step:  # dense steps first, as the paper and torch's hook do
-            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group)
             stats.bytes_sent += raw
             return None
         stats.values_sent += input_tensor.numel()  # every element gets a value: density 1

@@ -19,7 +19,7 @@ from compress.communicator import CommStats, PayloadMover, RestoredState, apply_
 from compress.error_feedback import Residuals
 from compress.payload import nbytes
 from compress.sketch import CountSketch
-from compress.torch_compat import ReduceScatter
+from compress.torch_compat import ReduceScatter, all_gather_flat, reduce_scatter_flat
 
 _INDEX_BYTES = 4  # candidate positions travel as int32
 
@@ -77,19 +77,19 @@ class SketchedReduceScatter(ReduceScatter):
             corrected = torch.stack([state.corrected(f"{mover.name}/{d}", rows[d]) for d in range(world)])
             tables = torch.stack([state.sketch.table(corrected[d], seed + d) for d in range(world)])
         summed = tables.new_empty(tables[0].shape)
-        mover.collective(dist.reduce_scatter_tensor, summed.view(-1), tables.view(-1), op=dist.ReduceOp.SUM, group=group,
+        mover.collective(reduce_scatter_flat, summed.view(-1), tables.view(-1), op=dist.ReduceOp.SUM, group=group,
                          extra=False)
         with mover.timed("decompress_s", rows.device):
             mine = state.candidates(summed, numel, seed + rank)
         k = mine.numel()
         everyone = torch.empty(world * k, dtype=torch.int32, device=rows.device)
-        mover.collective(dist.all_gather_into_tensor, everyone, mine.to(torch.int32), group=group, extra=True)
+        mover.collective(all_gather_flat, everyone, mine.to(torch.int32), group=group, extra=True)
         positions = everyone.view(world, k).long()
         values = torch.gather(corrected, 1, positions)  # row d: this rank's exact values at d's candidates
         for d in range(world):
             state.applied(f"{mover.name}/{d}", corrected[d], positions[d])
         summed_values = values.new_empty(k)
-        mover.collective(dist.reduce_scatter_tensor, summed_values, values.view(-1), op=dist.ReduceOp.SUM, group=group,
+        mover.collective(reduce_scatter_flat, summed_values, values.view(-1), op=dist.ReduceOp.SUM, group=group,
                          extra=True)
         result = torch.zeros(numel, dtype=torch.float32, device=rows.device).index_put_((mine,), summed_values)
         output_tensor.copy_(apply_op(result, op, world, prescaled=True))

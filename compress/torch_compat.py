@@ -28,13 +28,17 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+#: Every rank's equally sized tensor concatenated in rank order into one output tensor (one collective), and
+#: the flat reduce-scatter: torch 2.13 renamed them ``all_gather_single`` / ``reduce_scatter_single`` and warns on
+#: the old names, which 2.11 (where the new ones do not exist) still needs.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_bytes(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup | None = None,
                      async_op: bool = False):
-    """Every rank's equally sized ``local`` concatenated in rank order into ``output`` (one collective).
-
-    ``all_gather_into_tensor``, which every supported release has (``all_gather_single`` does not exist in 2.11).
-    """
-    return dist.all_gather_into_tensor(output, local, group=group, async_op=async_op)
+    """Every rank's equally sized ``local`` concatenated in rank order into ``output`` (one collective)."""
+    return all_gather_flat(output, local, group=group, async_op=async_op)
 
 
 def bf16_native(device: torch.device) -> bool:

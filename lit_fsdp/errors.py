@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -63,19 +65,25 @@ def collective_of(error: BaseException) -> tuple[str | None, str | None]:
     return None, None
 
 
-def lost_peer(error: BaseException, launched: list[Any], rank: int, world: int) -> str | None:
+def lost_peer(error: BaseException, launched: list[Any], rank: int, world: int,
+              grace_s: float = 3.0) -> str | None:
     """One line for a collective that failed because a peer died, or None if ``error`` is something else.
 
     ``launched`` are the processes this rank started (Lightning's launcher on local rank 0): their exit
-    codes say which one died. A rank that was started by another finds its parent gone instead.
+    codes say which one died. A dying peer's sockets close before its exit status can be read, so each
+    is given up to ``grace_s`` (in all) to be reaped. A rank started by another finds its parent gone instead.
     """
     collective, where = collective_of(error)
     text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(error).split()))  # gloo prefixes its source location
     if collective is None or not any(sign in text.lower() for sign in _PEER_SIGNS):
         return None
     gone = []
+    deadline = time.monotonic() + grace_s
     for local_rank, process in enumerate(launched, start=1):
-        code = process.poll()
+        try:
+            code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = None
         if code is not None:
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             gone.append(f"local rank {local_rank} (pid {process.pid}) ended with {how}")

@@ -134,11 +134,11 @@ class CausalLM(pl.LightningModule):
         hp = self.hparams
         decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate,
-            betas=tuple(hp.betas),
-        )
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        adamw = {"lr": hp.learning_rate, "betas": tuple(hp.betas)}
+        # A strategy whose gradient compression needs its own optimizer (1-bit Adam) builds it from AdamW's arguments.
+        replacement = getattr(self.trainer.strategy, "replacement_optimizer", None)
+        optimizer = (replacement and replacement(groups, **adamw)) or torch.optim.AdamW(groups, **adamw)
         # max_steps avoids estimated_stepping_batches, which would build the train loader before a resume.
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else self.trainer.estimated_stepping_batches
         schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -430,6 +430,11 @@ class FSDP2Strategy(CausalLMStrategy):
         if not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def replacement_optimizer(self, params: Any, **adamw: Any) -> torch.optim.Optimizer | None:
+        """The optimizer the compression method needs instead of AdamW (1-bit Adam's), from AdamW's arguments; None: AdamW."""
+        build = getattr(self.comm_hook, "optimizer", None)
+        return build(params, **adamw) if build is not None else None
+
     def nonfinite_values(self) -> int | torch.Tensor:
         """Non-finite values the compression hooks replaced by zeros since the last step, as a device count."""
         stats = getattr(self.comm_hook, "stats", None)

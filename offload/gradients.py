@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from compress.layout import UnitLayout
+from compress.torch_compat import reduce_scatter_flat
 from lit_fsdp.errors import OneLineError
 from offload.cpu_adam import CpuAdam
 from offload.host import HostState
@@ -82,7 +83,7 @@ class GradientPipeline:
             shard = flat
             if layout.shards > 1:
                 shard = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=device)
-                dist.reduce_scatter_tensor(shard, flat, group=self.shard_group)
+                reduce_scatter_flat(shard, flat, group=self.shard_group)
             if self.replicate_group is not None:
                 dist.all_reduce(shard, group=self.replicate_group)
             if self.world_size > 1:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from compress.layout import UnitLayout
+from compress.torch_compat import all_gather_flat
 from offload.host import HostState
 from offload.transfers import Event, Transfers
 
@@ -103,7 +104,7 @@ class DeviceWindow:
                 rank = dist.get_rank(self.shard_group)
                 mine = gathered[rank * layout.shard_numel : (rank + 1) * layout.shard_numel]
                 self.transfers.h2d(mine, staging)
-                dist.all_gather_into_tensor(gathered, mine, group=self.shard_group)
+                all_gather_flat(gathered, mine, group=self.shard_group)
                 layout.gather_to_full(gathered, target)
             slot.ready = self.transfers.record()
         slot.unit = unit

@@ -119,6 +119,7 @@ def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dic
         report = json.loads(compression.read_text())
         record.update(
             ratio_vs_fp32=report["compress/ratio_vs_fp32"], ratio_vs_bf16=report["compress/ratio_vs_bf16"],
+            ratio_after_warmup=report.get("ratio_after_warmup"), warmup_steps=report.get("warmup_steps", 0),
             codec_ms_per_step=1000 * (report["compress_s"] + report["decompress_s"]) / args.steps,
             config=report["config"],
         )
@@ -145,15 +146,16 @@ def table(records: list[dict]) -> str:
     base = {r["seed"]: r["val_ppl"] for r in ok if r["method"] == "baseline"}
     base_mean = statistics.fmean(base.values()) if base else float("nan")
     lines = [
-        "| method | seeds | val ppl | change vs none, paired by seed (mean ± sd) | ratio vs fp32 | ratio vs bf16 | codec ms/step | tokens/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | seeds | val ppl | change vs none, paired by seed (mean ± sd) | ratio vs fp32 | after warm-up "
+        "| ratio vs bf16 | codec ms/step | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     # each method, then its runs with --set overrides
     for method in sorted({r["method"] for r in records}, key=lambda name: (CHOICES.index(method_of(name)), name)):
         runs = [r for r in ok if r["method"] == method]
         failed = [r for r in records if r["method"] == method and "failed" in r]
         if failed and not runs:
-            lines.append(f"| {method} | failed: {failed[0]['failed'][:80]} | | | | | | |")
+            lines.append(f"| {method} | failed: {failed[0]['failed'][:80]} | | | | | | | |")
             continue
         if not runs:
             continue
@@ -170,11 +172,21 @@ def table(records: list[dict]) -> str:
         lines.append(
             f"| {method} | {len(runs)} | {statistics.fmean(ppl):.2f} | {change_text} "
             f"| {statistics.fmean(r['ratio_vs_fp32'] for r in runs):.2f}x "
+            f"| {after_warmup(runs)} "
             f"| {statistics.fmean(r['ratio_vs_bf16'] for r in runs):.2f}x "
             f"| {statistics.fmean(r['codec_ms_per_step'] for r in runs):.1f} "
             f"| {statistics.fmean(r['tokens_per_s'] for r in runs):.0f} |"
         )
     return "\n".join(lines)
+
+
+def after_warmup(runs: list[dict]) -> str:
+    """The ratio vs fp32 over the steps after the method's warm-up, and the warm-up's length; '-' without one."""
+    warmup = runs[0].get("warmup_steps") or 0
+    ratios = [r.get("ratio_after_warmup") for r in runs]
+    if not warmup or None in ratios:
+        return "-"
+    return f"{statistics.fmean(ratios):.2f}x (from step {warmup})"
 
 
 def main() -> None:

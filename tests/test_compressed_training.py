@@ -8,7 +8,7 @@ import math
 import pytest
 
 from compress.config import METHODS
-from tests.helpers import REPO, checkpoint_every, fit
+from tests.helpers import REPO, fit, interrupted_and_whole_losses
 
 METHOD_CONFIGS = sorted(p.stem for p in REPO.glob("configs/*.yaml") if "compression:" in p.read_text())
 ODD_VOCAB = ["--data.vocab_size", "509"]  # rows that do not divide by the world size: FSDP pads the shards
@@ -36,9 +36,9 @@ EARLY_START = {"powersgd": ["--trainer.strategy.init_args.compression.start_step
 
 # Configs whose path another run here already takes (CI time): fp16 trains in the replicate tests below,
 # topk10_int8 is topk_int8 at another ratio, onebit and natural go through the same all-to-all as
-# signsgd and qsgd (every method's hook runs on 2 processes in test_communicator.py), and thresholdv_density
-# trains in the resume test below.
-SAME_PATH = {"fp16", "topk10_int8", "onebit", "natural", "thresholdv_density"}
+# signsgd and qsgd (every method's hook runs on 2 processes in test_communicator.py), thresholdv_density
+# trains in the resume test below, and onebit_adam in tests/test_onebit_adam.py.
+SAME_PATH = {"fp16", "topk10_int8", "onebit", "natural", "thresholdv_density", "onebit_adam"}
 
 
 @pytest.mark.parametrize("config", [c for c in METHOD_CONFIGS if c != "baseline" and c not in SAME_PATH])
@@ -52,8 +52,9 @@ def test_each_method_trains_with_finite_falling_loss(tmp_path, config):
     assert metrics["compress/ratio_vs_fp32"][-1] > (1.9 if config in ("fp16", "bf16") else 1.0)
 
 
-@pytest.mark.parametrize("method", ["fp16", "int8", "powersgd"])
-@pytest.mark.parametrize("sharding", ["NO_SHARD", "HYBRID_SHARD"])
+# The strategy's wiring of the replicate all-reduce hook; every method's hook on these meshes (3 NO_SHARD replicas,
+# HYBRID_SHARD 2 x 2) is in tests/test_replicas.py, and the native-sum path (fp16) trains in test_communicator.py.
+@pytest.mark.parametrize("sharding, method", [("NO_SHARD", "int8"), ("HYBRID_SHARD", "int8"), ("NO_SHARD", "powersgd")])
 def test_replicate_paths_train_and_compress(tmp_path, sharding, method):
     metrics = fit(
         tmp_path, "--config", str(REPO / "configs" / f"{method}.yaml"), *ODD_VOCAB, *EARLY_START.get(method, []),
@@ -68,16 +69,13 @@ def test_replicate_paths_train_and_compress(tmp_path, sharding, method):
 
 @pytest.mark.parametrize(
     "compression",
-    ["{method: int8, num_bits: 2, error_feedback: true}", "{method: topk, ratio: 0.05, error_feedback: true}",
+    # top-k's residuals resume as int8's do; 1-bit Adam's resume is in tests/test_onebit_adam_runs.py
+    ["{method: int8, num_bits: 2, error_feedback: true}",
      "{method: powersgd, rank: 2, start_step: 1}", "{method: thresholdv, density: 0.01, error_feedback: true}"],
-    ids=["int8+EF", "topk+EF", "powersgd", "thresholdv-density+EF"],
+    ids=["int8+EF", "powersgd", "thresholdv-density+EF"],
 )
 def test_compressed_resume_at_step_3_of_6_equals_the_uninterrupted_run(tmp_path, compression):
     """Residuals, warm starts and seed counters are in the checkpoint: the resumed run compresses as the whole one."""
     knob = ["--trainer.strategy.init_args.compression", compression]
-    whole = fit(tmp_path / "whole", *knob, steps=6)
-    part, ckpts = tmp_path / "part", tmp_path / "ckpt"
-    first = fit(part, *knob, steps=6, callbacks=[checkpoint_every(3, ckpts),
-                                                 {"class_path": "tests.probes.StopAtStep", "init_args": {"step": 3}}])
-    second = fit(part, *knob, "--ckpt_path", "last", steps=6, callbacks=[checkpoint_every(3, ckpts)])
-    assert first["train/loss"] + second["train/loss"] == pytest.approx(whole["train/loss"], rel=1e-5, abs=1e-6)
+    resumed, whole = interrupted_and_whole_losses(tmp_path, *knob)
+    assert resumed == pytest.approx(whole, rel=1e-5, abs=1e-6)

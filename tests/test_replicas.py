@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from compress.config import METHODS, CompressionConfig
 from lit_fsdp.model import CausalLM
 from tests.distributed import run
-from tests.helpers import batch, loss_of, sharded_model
+from tests.helpers import batch, loss_of, optimizer_for, sharded_model
 
 STEPS = 12  # the issue's number: int8 diverged in 23 parameter tensors of the quickstart model by then
 
@@ -37,6 +37,8 @@ def cases(hybrid: bool) -> dict[str, CompressionConfig]:
     it, Deep Gradient Compression, and (with a shard dimension to gather over) the int8 parameter all-gather."""
     found = {name: CompressionConfig(method=name) for name in METHODS}
     found["powersgd"] = CompressionConfig(method="powersgd", start_step=2)  # compressed from step 3 of 12
+    found["onebit_adam"] = CompressionConfig(method="onebit_adam", freeze_step=4)  # 1-bit Adam from step 5 of 12
+    found["onebit_adam+bf16"] = CompressionConfig(method="onebit_adam", freeze_step=4, residual_dtype="bfloat16")
     found["topk+int8"] = CompressionConfig(method="topk", quantize="int8")
     found["thresholdv+int8"] = CompressionConfig(method="thresholdv", quantize="int8")
     found["thresholdv+density"] = CompressionConfig(method="thresholdv", density=0.01, error_feedback=True)
@@ -57,9 +59,9 @@ def train_every_case(rank: int, world: int, shape: tuple[int, int], sharding: st
     results = {"coordinate": mesh.get_coordinate(), "cases": {}}
     for name, compression in cases(hybrid=shape[1] > 1).items():
         start = time.perf_counter()
-        module, _ = sharded_model(rank, world, mesh, sharding, compression)
+        module, strategy = sharded_model(rank, world, mesh, sharding, compression)
         initial = digests(module)
-        optimizer = torch.optim.AdamW(module.model.parameters(), lr=3e-3)
+        optimizer = optimizer_for(module, strategy)
         data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches: the gradients differ
         finite = True
         for _ in range(STEPS):

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 import compress.timing
 from compress.config import METHODS, CompressionConfig
 from tests.distributed import run
-from tests.helpers import batch, loss_of, sharded_model
+from tests.helpers import batch, loss_of, optimizer_for, sharded_model
 from tests.sync_counter import SyncCounter, SyncPoint, summary
 
 #: Host synchronisations allowed per hook call (a gradient reduce-scatter, replicate all-reduce or parameter
@@ -123,6 +123,7 @@ def budget_cases(sharding: str) -> dict[str, CompressionConfig]:
     """Every method, the composites, top-k with error feedback and DGC; with shards, the int8 parameter all-gather."""
     found = {name: CompressionConfig(method=name) for name in METHODS if name != "none"}
     found["powersgd"] = CompressionConfig(method="powersgd", start_step=1)  # compressing by the step counted
+    found["onebit_adam"] = CompressionConfig(method="onebit_adam", freeze_step=1)  # the same
     found["topk+int8"] = CompressionConfig(method="topk", quantize="int8")
     found["thresholdv+int8"] = CompressionConfig(method="thresholdv", quantize="int8")
     found["thresholdv+density"] = CompressionConfig(method="thresholdv", density=0.01, error_feedback=True)
@@ -185,7 +186,7 @@ def count_syncs(rank: int, world: int) -> dict:
             counter, calls, measuring = SyncCounter(), [], threading.Event()
             with counting_hooks(counter, calls, measuring):
                 module, strategy = sharded_model(rank, world, mesh, sharding, compression)
-            optimizer = torch.optim.AdamW(module.model.parameters(), lr=3e-3)
+            optimizer = optimizer_for(module, strategy)
             data = torch.Generator().manual_seed(1000 + rank)
             for step in range(WARMUP_STEPS + 1):
                 if step == WARMUP_STEPS:

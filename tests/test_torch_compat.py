@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import tomllib
 from pathlib import Path
@@ -14,7 +15,7 @@ from tests.distributed import run
 
 ROOT = Path(__file__).resolve().parents[1]
 #: private or version-sensitive torch names: only compress/torch_compat.py may use them
-PRIVATE = re.compile(r"_fsdp_api|algorithms\._checkpoint|kineto_results|all_gather_single|is_bf16_supported\(|"
+PRIVATE = re.compile(r"_fsdp_api|algorithms\._checkpoint|kineto_results|all_gather_single|reduce_scatter_single|is_bf16_supported\(|"
                      r"torch\.distributed\.fsdp\._")
 
 
@@ -43,18 +44,24 @@ def test_no_module_outside_the_compatibility_module_uses_a_private_torch_api():
     assert not offenders, "use compress.torch_compat instead:\n" + "\n".join(offenders)
 
 
-def _gather_without_newer_collectives(rank: int, world: int) -> torch.Tensor:
-    # torch 2.11 has no all_gather_single: take it away, as the floor release does
-    if hasattr(dist, "all_gather_single"):
-        delattr(dist, "all_gather_single")
-    out = torch.empty(world * 3, dtype=torch.uint8)
-    torch_compat.all_gather_bytes(out, torch.full((3,), rank, dtype=torch.uint8))
-    return out
+def _collectives_without_newer_names(rank: int, world: int) -> tuple[list[int], list[float]]:
+    # torch 2.11 has neither all_gather_single nor reduce_scatter_single: take them away, as the floor release does
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            delattr(dist, name)
+    compat = importlib.reload(torch_compat)
+    gathered = torch.empty(world * 3, dtype=torch.uint8)
+    compat.all_gather_bytes(gathered, torch.full((3,), rank, dtype=torch.uint8))
+    reduced = torch.empty(2)
+    compat.reduce_scatter_flat(reduced, torch.arange(2.0 * world) + rank, op=dist.ReduceOp.SUM)
+    return gathered.tolist(), reduced.tolist()
 
 
-def test_byte_all_gather_needs_only_what_the_floor_release_has(tmp_path):
-    for gathered in run(_gather_without_newer_collectives, tmp_path):
-        assert gathered.tolist() == [0, 0, 0, 1, 1, 1]
+def test_flat_collectives_need_only_what_the_floor_release_has(tmp_path):
+    results = run(_collectives_without_newer_names, tmp_path)
+    for rank, (gathered, reduced) in enumerate(results):
+        assert gathered == [0, 0, 0, 1, 1, 1]
+        assert reduced == [4 * rank + 1, 4 * rank + 3]  # rank r's row [2r, 2r + 1] summed over inputs offset by 0 and 1
 
 
 def test_bf16_counts_only_hardware_support(monkeypatch):
