@@ -281,7 +281,7 @@ def describe_methods() -> str:
         lines.append(f"{name:<11} {params:<45} {method.summary}")
     lines.append("")
     lines.append("error_feedback: true for every method but none, qsgd, natural and rescaled randomk (unbiased) and "
-                 "powersgd and sketch (built in)")
+                 "powersgd, sketch and onebit_adam (built in)")
     lines.append("topk with error_feedback: true and momentum, clip_norm or warmup_steps: Deep Gradient Compression")
     lines.append("residual_dtype: float32 | bfloat16 keeps error-feedback residuals (and DGC velocities, 1-bit Adam's "
                  "local momenta) in half the memory")

@@ -126,6 +126,8 @@ class SlideEngine:
         if self.phase == BACKWARD:
             return output
         training = self.phase == FORWARD
+        if training and block not in self.checkpointed:
+            self.window.remember_slot(block)
         if not (training and block >= self.num_blocks - self.keep_after_forward):
             self.window.release(block)
         if training and block not in self.checkpointed and isinstance(output, torch.Tensor) and output.requires_grad:
@@ -141,6 +143,7 @@ class SlideEngine:
 
     def before_backward(self, block: int) -> None:
         self.window.ensure(block)
+        self.window.check_same_slot(block)
         for behind in range(block - 1, max(-1, block - len(self.window.slots)), -1):
             self.window.prefetch(behind)
         self.activations.prefetch(block - 1)

@@ -72,6 +72,7 @@ class DeviceWindow:
                     self.empty[dims] = torch.empty((0,) * dims, dtype=compute_dtype, device=device)
         self.resident: dict[int, Slot] = {}
         self.most_resident = 0  # the largest number of blocks resident at once, for the window bound
+        self.forward_slots: dict[int, int] = {}  # block -> the slot its saved activations point into
 
     # --- binding ---------------------------------------------------------------------------------
 
@@ -87,6 +88,7 @@ class DeviceWindow:
         for unit in range(len(self.layouts)):
             self.unbind(unit)
         self.resident.clear()
+        self.forward_slots.clear()
         for slot in self.slots:
             slot.unit = None
         self.root_stale = True
@@ -127,6 +129,28 @@ class DeviceWindow:
         if not self.prefetch(unit):
             raise RuntimeError(f"SlideFSDP: no free device slot for block {unit}: {sorted(self.resident)} are resident")
         self.transfers.wait(self.resident[unit].ready)
+
+    def remember_slot(self, unit: int) -> None:
+        """Block ``unit``'s forward saved views of its slot for backward (it is not checkpointed): note which slot."""
+        self.forward_slots[unit] = self._slot_number(unit)
+
+    def check_same_slot(self, unit: int) -> None:
+        """Raise unless block ``unit`` is back in the slot its forward saved views of (``remember_slot``).
+
+        A block that is not checkpointed keeps, for its backward, tensors that view its slot's memory; they hold
+        its weights again only if the block is reloaded into the same slot. Every schedule does so today;
+        this makes a schedule that does not fail loudly instead of computing gradients from another block's weights.
+        """
+        expected = self.forward_slots.pop(unit, None)
+        if expected is None:
+            return
+        found = self._slot_number(unit)
+        if found != expected:
+            raise RuntimeError(f"SlideFSDP: block {unit} was reloaded into device slot {found} for its backward, but "
+                               f"its forward saved views of slot {expected}; its gradients would use other weights")
+
+    def _slot_number(self, unit: int) -> int:
+        return next(number for number, slot in enumerate(self.slots) if slot is self.resident[unit])
 
     def release(self, unit: int) -> None:
         """Block ``unit`` no longer needs its weights: its slot may be reused after the work queued so far."""

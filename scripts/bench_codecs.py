@@ -16,17 +16,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from compress.config import METHODS, CompressionConfig
 
-from compress.config import METHODS, CompressionConfig  # noqa: E402
-
-# Methods that are communicators rather than tensor codecs, or need no codec.
-SKIPPED = {"none", "powersgd"}
+# Methods that are communicators rather than tensor codecs, or need no codec (onebit_adam's codec is signsgd's).
+SKIPPED = {"none", "powersgd", "onebit_adam"}
 
 
 def sync(device: torch.device) -> None:

@@ -30,12 +30,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from callbacks.throughput import Throughput
+from lit_fsdp.presets import PRESETS, build_config
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from callbacks.throughput import Throughput  # noqa: E402
-from lit_fsdp.presets import PRESETS, build_config  # noqa: E402
-
 
 def free_port() -> int:
     with socket.socket() as s:

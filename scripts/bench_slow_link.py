@@ -487,7 +487,6 @@ def main() -> None:
         for rate in args.rates:
             with SlowLink(rate) as link:
                 if not setup:  # once, inside the first link: a missing root fails before anything slow
-                    sys.path.insert(0, str(REPO))
                     params = parameter_count(args)
                     callbacks = write_callbacks(args.out / "callbacks.json", args.warmup, comm_profiler_available())
                     setup = (

@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from lit_fsdp.launch import launch
 
-from lit_fsdp.launch import launch  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 CASES: dict[str, dict[str, Any]] = {

@@ -85,3 +85,35 @@ def test_update_threads_share_the_usable_cores_and_leave_one_for_launching_kerne
     assert strategy.usable_cores() == 4 and strategy.update_threads(1) == 3 and strategy.update_threads(8) == 1
     monkeypatch.setattr(strategy.Path, "read_text", lambda self: "max 100000\n")  # no quota
     assert strategy.usable_cores() == 16 and strategy.update_threads(2) == 7
+
+
+def _window(blocks: int, slots: int):
+    """A DeviceWindow on CPU over ``blocks`` one-matrix blocks and a root, each block's staging copy filled with its number."""
+    from compress.layout import UnitLayout
+    from offload.residency import DeviceWindow
+    from offload.transfers import Transfers
+
+    params = [torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(blocks + 1)]
+    layouts = [UnitLayout.build(f"unit{i}", [((f"p{i}",), p)], shards=1, shard_rank=0) for i, p in enumerate(params)]
+    staging = [torch.full((6,), float(i)) for i in range(blocks + 1)]
+    window = DeviceWindow(layouts, blocks, types.SimpleNamespace(staging=staging), Transfers(torch.device("cpu")),
+                          slots, torch.float32, torch.device("cpu"), None)
+    return window, params
+
+
+def test_a_block_reloaded_into_another_slot_than_its_forward_used_fails_its_backward():
+    window, params = _window(blocks=3, slots=2)
+    window.ensure(0)  # forward of block 0 (not checkpointed): its saved tensors view slot 0
+    window.remember_slot(0)
+    window.release(0)
+    window.ensure(0)  # the schedules reload it into the first free slot: the same one
+    window.check_same_slot(0)
+    assert torch.equal(params[0].data, torch.zeros(2, 3))
+
+    window.remember_slot(0)
+    window.release(0)
+    window.ensure(1)  # another block took slot 0 first
+    window.ensure(0)
+    with pytest.raises(RuntimeError, match="block 0 was reloaded into device slot 1 for its backward, but its forward "
+                                           "saved views of slot 0"):
+        window.check_same_slot(0)
