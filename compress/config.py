@@ -67,7 +67,7 @@ METHODS: dict[str, Method] = {
     "onebit_adam": Method(
         "1-bit Adam (replaces AdamW): AdamW for freeze_step steps, then local momenta as signs and a scale per chunk, "
         "error feedback built in, variance frozen",
-        {"freeze_step": 100, "chunk_size": 1024}, OneBitMomentum, feedback=False,
+        {"freeze_step": 100, "chunk_size": 128}, OneBitMomentum, feedback=False,
     ),
 }
 SPARSIFIERS = ("topk", "randomk", "thresholdv")
@@ -203,15 +203,16 @@ class CompressionConfig:
         residual per element, 4 bytes (2 with ``residual_dtype: bfloat16``); DGC with momentum: a velocity as
         well (8, or 4); PowerSGD: a float32 residual and its warm-start Q, ``cols x rank`` per ``rows x cols``
         matrix (4 + 4 rank / rows, ``rows`` the smallest gradient matrix's: e.g. the hidden size); Sketched-SGD:
-        a float32 residual (4); anything without error feedback: 0. lowrank's per-chunk Q (about 4 rank / sqrt(n)
+        a float32 residual (4); 1-bit Adam: a residual, a local momentum and a frozen denominator (12, or 6 in
+        bfloat16); anything without error feedback: 0. lowrank's per-chunk Q (about 4 rank / sqrt(n)
         per element) is left out.
         """
         if self.method == "powersgd":
             return 4 + 4 * self.parameters()["rank"] / rows
         if self.method == "sketch":
             return 4
-        if self.method in _OWN_STATE_DTYPE:  # a residual and a local momentum
-            return 2 * RESIDUAL_DTYPES[self._residual_dtype()].itemsize
+        if self.method in _OWN_STATE_DTYPE:  # a residual, a local momentum and a frozen denominator
+            return 3 * RESIDUAL_DTYPES[self._residual_dtype()].itemsize
         if not self.error_feedback:
             return 0
         residual = RESIDUAL_DTYPES[self._residual_dtype()].itemsize
@@ -227,9 +228,9 @@ class CompressionConfig:
         """
         if self.method == "none":
             return 0
-        if self.method in _OWN_STATE_DTYPE:  # local momenta where gradients enter (every parameter), residuals after
+        if self.method in _OWN_STATE_DTYPE:  # local momenta, residuals and denominators where gradients enter, residuals after
             residual = RESIDUAL_DTYPES[self._residual_dtype()].itemsize
-            return int(2 * residual * parameters + residual * (parameters // shard) * (shard > 1 and replicas > 1))
+            return int(3 * residual * parameters + residual * (parameters // shard) * (shard > 1 and replicas > 1))
         elements = parameters * (shard > 1) + parameters // shard * (replicas > 1)
         return int(self.state_bytes_per_param(rows) * elements)
 

@@ -11,9 +11,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter, RestoredState
 from compress.config import CompressionConfig
-from compress.onebit_adam import OneBitAdam, OneBitMomentum
+from compress.onebit_adam import OneBitAdam, OneBitAdamAllReduce, OneBitAdamReduceScatter, OneBitMomentum
 from compress.param_gather import QuantizedAllGather
-from compress.powersgd import PowerSGD, PowerSGDAllReduce, PowerSGDReduceScatter, unit_layout
+from compress.layout import unit_layout
+from compress.powersgd import PowerSGD, PowerSGDAllReduce, PowerSGDReduceScatter
 from compress.sketched_sgd import SketchedAllReduce, SketchedReduceScatter, SketchedSGD
 
 
@@ -93,21 +94,28 @@ class GradientCompression:
             reduce_scatter_type, all_reduce_type = SketchedReduceScatter, SketchedAllReduce
         else:
             reduce_scatter_type, all_reduce_type = CompressedReduceScatter, CompressedAllReduce
+        onebit_adam = isinstance(self.compressor, OneBitMomentum)
+        layout = unit_layout(module, shard.size(), shard.get_local_rank()) if onebit_adam else None
         all_reduce_compressor = self.compressor
         if shard.size() > 1:
-            reduce_scatter = reduce_scatter_type(self.compressor, self.stats, name, self.restored)
+            if onebit_adam:  # its denominators are gathered in the reduce-scatter's layout
+                reduce_scatter = OneBitAdamReduceScatter(self.compressor, self.stats, name, layout, self.restored)
+                all_reduce_compressor = self.compressor.second_stage()  # replicas average what shard groups averaged
+            else:
+                reduce_scatter = reduce_scatter_type(self.compressor, self.stats, name, self.restored)
             module.set_custom_reduce_scatter(reduce_scatter)
             self._movers.append(reduce_scatter.mover)
-            if isinstance(self.compressor, OneBitMomentum):  # the replicas average momentum the shard group averaged
-                all_reduce_compressor = self.compressor.second_stage()
         replicas = mesh["replicate"] if mesh.ndim == 2 else None
         if replicas is not None and replicas.size() > 1:
             group = replicas.get_group()
-        elif shard.size() == 1 and isinstance(self.compressor, OneBitMomentum):
+        elif shard.size() == 1 and onebit_adam:
             group = shard.get_group()  # one process: its momentum is still compressed (FSDP2 calls the hook anyway)
         else:
             return
-        all_reduce = all_reduce_type(all_reduce_compressor, self.stats, name, group, self.restored)
+        if onebit_adam:
+            all_reduce = OneBitAdamAllReduce(all_reduce_compressor, self.stats, name, group, layout, self.restored)
+        else:
+            all_reduce = all_reduce_type(all_reduce_compressor, self.stats, name, group, self.restored)
         module.set_all_reduce_hook(all_reduce)
         self._movers.append(all_reduce.mover)
 

@@ -141,3 +141,12 @@ class UnitLayout:
                     chunks[rank, : stop - start].copy_(rows[start:stop])
                 if stop - start < place.chunk_rows:
                     chunks[rank, max(0, stop - start) :].zero_()
+
+
+def unit_layout(module: torch.nn.Module, world: int, rank: int) -> UnitLayout:
+    """The flat layout of an FSDP module's gradient reduce-scatter: its own parameters, by rows over ``world`` ranks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    nested = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
+    params = [((str(i),), p) for i, p in enumerate(p for p in module.parameters() if id(p) not in nested)]
+    return UnitLayout.build(type(module).__name__, params, world, rank)

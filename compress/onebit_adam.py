@@ -1,15 +1,19 @@
 """1-bit Adam (Tang et al., 2021) on sharded FSDP2: the hooks' half (local momenta, signs) and the optimizer's half.
 
 Warm-up (``freeze_step`` optimizer steps): plain AdamW, with gradients reduced exactly as FSDP2 reduces them.
-Then the variance is frozen and what travels is momentum, not gradient:
+Then the variance is frozen and what travels is preconditioned momentum, not gradient:
 
+- at the freeze each unit's frozen denominators ``d = sqrt(v / (1 - b2^T)) + eps`` are all-gathered once,
+  so that every rank holds them for the unit's whole unsharded gradient;
 - every rank keeps a *local* momentum of its own unsharded gradients, ``m_r = b1 m_r + (1 - b1) g_r``,
-  starting from zero at the freeze, and sends its signs with one scale per chunk (``SignSGD``), with
-  worker-side error feedback (``ErrorFeedback``);
+  starting from zero at the freeze, and sends the signs of ``m_r / d`` with one scale per chunk
+  (``SignSGD``), with worker-side error feedback (``ErrorFeedback``). Divided by ``d``, the coordinates of a
+  chunk share one scale; the signs of ``m_r`` itself would give a coordinate whose ``v`` is small the
+  chunk's magnitude, and the division after decoding would turn that into a large step;
 - each shard's owner decodes every rank's payload for its shard and averages them in rank order: by
   linearity the average of the local momenta is the momentum of the averaged gradients;
-- the optimizer adds the AdamW momentum it held at the freeze, decayed by ``b1`` each step, and divides by
-  the frozen variance: ``p -= lr * ((b1^k M_T + avg m) / (1 - b1^t)) / (sqrt(v_T / (1 - b2^T)) + eps)``.
+- the optimizer adds the AdamW momentum it held at the freeze, decayed by ``b1`` each step, over ``d``:
+  ``p -= lr * (b1^k M_T / d + avg(m / d)) / (1 - b1^t)``.
 
 Server-side error feedback is not needed: DeepSpeed compresses the averaged momentum a second time
 because every worker must apply it to a full copy of the model; here the owner applies it to its own
@@ -23,9 +27,12 @@ from typing import Any, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from compress.communicator import CompressedAllReduce, CompressedReduceScatter, compressing
 from compress.error_feedback import ErrorFeedback
+from compress.layout import UnitLayout
 from compress.payload import Payload
 from compress.quantize import SignSGD
+from compress.torch_compat import all_gather_flat
 
 
 class FreezePhase:
@@ -34,7 +41,7 @@ class FreezePhase:
     def __init__(self, freeze_step: int):
         self.freeze_step = freeze_step
         self.steps = 0  # optimizer steps applied (a step the non-finite guard skipped is not one)
-        self.beta1: float | None = None  # the optimizer's, set when it is built
+        self.optimizer: OneBitAdam | None = None  # set when it is built: its betas and frozen variance
 
     @property
     def frozen(self) -> bool:
@@ -44,23 +51,26 @@ class FreezePhase:
 
 class OneBitMomentum:
     """The hooks' side: before the freeze, nothing (the communicators reduce exactly); after it, each chunk's
-    local momentum, compressed to signs and a scale per ``chunk_size`` with error feedback.
+    local momentum over its frozen denominators, compressed to signs and a scale per ``chunk_size`` with error
+    feedback.
 
-    State per chunk ``key`` (a row of a unit's unsharded gradient): the local momentum and the residual, both
-    kept in ``state_dtype`` between steps. ``second_stage()`` is the same compressor without the momentum,
-    for HYBRID_SHARD's replicate all-reduce, whose input is already a shard of averaged momentum.
+    State per chunk ``key`` (a row of a unit's unsharded gradient): the local momentum and the residual, kept
+    in ``state_dtype`` between steps, and the denominators (``denominators``, set by the hooks at the freeze
+    and again after a resume, from the optimizer's state). ``second_stage()`` is the same compressor without
+    the momentum, for HYBRID_SHARD's replicate all-reduce, whose input is already averaged preconditioned momentum.
     """
 
     linear = False
     unbiased = False
 
-    def __init__(self, chunk_size: int = 1024, freeze_step: int = 100, state_dtype: torch.dtype = torch.float32):
+    def __init__(self, chunk_size: int = 128, freeze_step: int = 100, state_dtype: torch.dtype = torch.float32):
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"onebit_adam: freeze_step={freeze_step!r} is not an integer >= 1 (AdamW steps before the freeze)")
         self.phase = FreezePhase(freeze_step)
         self.inner = ErrorFeedback(SignSGD(chunk_size), residual_dtype=state_dtype)
         self.state_dtype = state_dtype
         self.momenta: dict[str, torch.Tensor] = {}
+        self.denominators: dict[str, torch.Tensor] = {}
         self.accumulates = True
 
     @property
@@ -77,23 +87,26 @@ class OneBitMomentum:
 
     def compress(self, tensor: torch.Tensor, key: str, seed: int) -> Payload:
         if self.accumulates:
-            tensor = self._momentum(tensor, key)
+            tensor = self._preconditioned(tensor, key)
         return self.inner.compress(tensor, key, seed)
 
-    def _momentum(self, gradient: torch.Tensor, key: str) -> torch.Tensor:
-        beta1 = self.phase.beta1
+    def _preconditioned(self, gradient: torch.Tensor, key: str) -> torch.Tensor:
+        """The local momentum of chunk ``key`` after this gradient, over its frozen denominators."""
+        previous = self.momenta.get(key)
+        beta1 = self.phase.optimizer.beta1 if self.phase.optimizer is not None else None
         if beta1 is None:
             raise RuntimeError("onebit_adam: the hooks ran before the optimizer was built; the strategy builds OneBitAdam")
-        previous = self.momenta.get(key)
         momentum = gradient.float() * (1 - beta1)
         if previous is not None:
             momentum = momentum.add_(previous.float(), alpha=beta1)
         self.momenta[key] = momentum.to(self.state_dtype)
-        return momentum
+        return momentum / self.denominators[key].float()
 
     def compared_with(self, tensor: torch.Tensor, key: str) -> torch.Tensor:
-        """What a sampled step compares the decoded payload with: the local momentum it encodes."""
-        return self.momenta[key] if self.accumulates else tensor
+        """What a sampled step compares the decoded payload with: the preconditioned local momentum it encodes."""
+        if not self.accumulates:
+            return tensor
+        return self.momenta[key].float() / self.denominators[key].float()
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         return self.inner.decompress(payload)
@@ -104,17 +117,68 @@ class OneBitMomentum:
 
     @property
     def memory_bytes(self) -> int:
-        """Residuals and local momenta, unsharded on every rank."""
-        return self.inner.memory_bytes + sum(m.numel() * m.element_size() for m in self.momenta.values())
+        """Residuals, local momenta and frozen denominators, unsharded on every rank."""
+        held = [*self.momenta.values(), *self.denominators.values()]
+        return self.inner.memory_bytes + sum(t.numel() * t.element_size() for t in held)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Local momenta and residuals (the phase is the optimizer's step count, in its own state)."""
         return {**self.inner.state_dict(), **{f"momentum/{key}": value for key, value in self.momenta.items()}}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Residuals and local momenta; the denominators follow from the optimizer's state, gathered again."""
         self.inner.load_state_dict(state)
         self.momenta = {k.removeprefix("momentum/"): v.to(self.state_dtype) for k, v in state.items()
                         if k.startswith("momentum/")}
+        self.denominators = {}
+
+
+class _Denominators:
+    """What both 1-bit Adam hooks do at their first call after the freeze: hold the unit's frozen denominators."""
+
+    compressor: OneBitMomentum
+    layout: UnitLayout
+
+    def shard_denominators(self, device: torch.device) -> torch.Tensor:
+        """This rank's shard of the unit's denominators, in the reduce-scatter's layout (padding: 1)."""
+        optimizer = self.compressor.phase.optimizer
+        shard = torch.ones(self.layout.shard_numel, device=device)
+        for place, view in zip(self.layout.places, self.layout.local_views(shard)):
+            view.copy_(optimizer.denominator(place.param))
+        return shard
+
+
+class OneBitAdamReduceScatter(_Denominators, CompressedReduceScatter):
+    """The reduce-scatter hook: at the freeze, all-gathers the unit's denominators (once), then as its parent."""
+
+    def __init__(self, compressor: OneBitMomentum, stats, name: str, layout: UnitLayout, restored=None):
+        super().__init__(compressor, stats, name, restored)
+        self.compressor, self.layout = compressor, layout
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        keys = [f"{self.mover.name}/{d}" for d in range(group.size())]
+        if compressing(self.compressor) and keys[0] not in self.compressor.denominators:
+            mine = self.shard_denominators(input_tensor.device)
+            everyone = mine.new_empty(group.size() * mine.numel())
+            self.mover.collective(all_gather_flat, everyone, mine, group=group, extra=True)
+            self.mover.stats.bytes_sent += (group.size() - 1) * mine.numel() * mine.element_size()
+            for key, row in zip(keys, everyone.view(group.size(), -1)):
+                self.compressor.denominators[key] = row.to(self.compressor.state_dtype)
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+class OneBitAdamAllReduce(_Denominators, CompressedAllReduce):
+    """The all-reduce hook where it is the gradients' first stage (NO_SHARD, one process): local denominators."""
+
+    def __init__(self, compressor: OneBitMomentum, stats, name: str, group, layout: UnitLayout, restored=None):
+        super().__init__(compressor, stats, name, group, restored)
+        self.compressor, self.layout = compressor, layout
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        key = f"{self.mover.name}/ar"
+        if compressing(self.compressor) and self.compressor.accumulates and key not in self.compressor.denominators:
+            self.compressor.denominators[key] = self.shard_denominators(reduce_output.device).to(self.compressor.state_dtype)
+        super().__call__(reduce_output)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -124,9 +188,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 class OneBitAdam(torch.optim.AdamW):
     """AdamW until ``phase.freeze_step`` steps, then Adam with the variance frozen on the momentum the hooks averaged.
 
-    After the freeze a parameter's ``grad`` holds the averaged local momenta (what the hooks delivered), and
-    the state's ``exp_avg`` the AdamW momentum of the freeze, decayed by ``b1`` every step. Gradient clipping
-    then bounds the norm of that averaged momentum. The state has AdamW's keys and shapes, so sharded
+    After the freeze a parameter's ``grad`` holds the average of the local momenta over the frozen
+    denominators (what the hooks delivered), and the state's ``exp_avg`` the AdamW momentum of the freeze,
+    decayed by ``b1`` every step. Gradient clipping stops at the freeze (``clipping_applies``): ``grad`` is then
+    an update direction already divided by ``sqrt(v)``, whose norm grows with the parameter count. The state has AdamW's keys and shapes, so sharded
     checkpoints save and load it as AdamW's; the phase is the number of steps in it.
     """
 
@@ -137,8 +202,21 @@ class OneBitAdam(torch.optim.AdamW):
         beta1s = {group["betas"][0] for group in self.param_groups}
         if len(beta1s) != 1:
             raise ValueError(f"onebit_adam: every parameter group needs the same beta1 (the hooks' momentum), got {sorted(beta1s)}")
+        self.beta1 = beta1s.pop()
         self.phase = phase
-        phase.beta1 = beta1s.pop()
+        phase.optimizer = self
+        self._groups = {param: group for group in self.param_groups for param in group["params"]}
+
+    @property
+    def clipping_applies(self) -> bool:
+        """Whether the strategy's gradient clipping applies to this step (before the freeze only)."""
+        return not self.phase.frozen
+
+    def denominator(self, param: torch.Tensor) -> torch.Tensor:
+        """The frozen ``sqrt(v / (1 - b2^T)) + eps`` of ``param``'s local shard (float32)."""
+        group = self._groups[param]
+        bias = 1 - group["betas"][1] ** self.phase.freeze_step
+        return (_local(self.state[param]["exp_avg_sq"]).float() / bias).sqrt_().add_(group["eps"])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -155,10 +233,9 @@ class OneBitAdam(torch.optim.AdamW):
         return loss
 
     def _frozen_step(self) -> None:
-        freeze = self.phase.freeze_step
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, decay, eps = group["lr"], group["weight_decay"], group["eps"]
+            beta1 = group["betas"][0]
+            lr, decay = group["lr"], group["weight_decay"]
             lr = float(lr) if isinstance(lr, torch.Tensor) else lr
             for param in group["params"]:
                 if param.grad is None:
@@ -167,12 +244,11 @@ class OneBitAdam(torch.optim.AdamW):
                 state["step"] += 1
                 step = float(state["step"])
                 carried = _local(state["exp_avg"]).mul_(beta1)
-                momentum = carried + _local(param.grad)
-                denominator = (_local(state["exp_avg_sq"]) / (1 - beta2 ** freeze)).sqrt_().add_(eps)
+                direction = (carried / self.denominator(param)).add_(_local(param.grad))  # the grad: avg(m / d)
                 weights = _local(param)
                 if decay:
                     weights.mul_(1 - lr * decay)
-                weights.addcdiv_(momentum, denominator, value=-lr / (1 - beta1 ** step))
+                weights.add_(direction, alpha=-lr / (1 - beta1 ** step))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

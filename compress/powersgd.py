@@ -160,15 +160,6 @@ def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats
     stats.bytes_sent += 2 * (group.size() - 1) * tensor.numel() * tensor.element_size() // group.size()  # a ring
 
 
-def unit_layout(module: torch.nn.Module, world: int, rank: int) -> UnitLayout:
-    """The flat layout of an FSDP module's gradient reduce-scatter: its own parameters, by rows over ``world`` ranks."""
-    from torch.distributed.fsdp import FSDPModule
-
-    nested = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
-    params = [((str(i),), p) for i, p in enumerate(p for p in module.parameters() if id(p) not in nested)]
-    return UnitLayout.build(type(module).__name__, params, world, rank)
-
-
 class PowerSGDReduceScatter(ReduceScatter):
     """FSDP2 reduce-scatter by PowerSGD: every rank reconstructs the average and keeps its rows."""
 

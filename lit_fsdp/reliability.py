@@ -85,6 +85,8 @@ class NonFiniteGuard:
         The flags stay on the device until that decision, the one point where the step waits for the device.
         Returns the gradient norm before clipping (None where the strategy does not compute it).
         """
+        if not getattr(optimizer, "clipping_applies", True):  # e.g. 1-bit Adam after its freeze: the norm only
+            max_norm = None
         norm = self.clip_gradients(max_norm)
         nonfinite = self.nonfinite_values()
         flags: list[torch.Tensor | bool] = [nonfinite > 0]

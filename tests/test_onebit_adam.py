@@ -38,6 +38,13 @@ def _set(params: list[torch.nn.Parameter], gradients: list[torch.Tensor]) -> Non
         param.grad = values.clone()
 
 
+def _frozen(hooks: OneBitMomentum, denominators: dict[str, torch.Tensor], beta1: float = 0.9) -> OneBitMomentum:
+    """``hooks`` past the freeze, as if an optimizer with ``beta1`` had been built and had gathered ``denominators``."""
+    hooks.phase.steps, hooks.phase.optimizer = hooks.phase.freeze_step, types.SimpleNamespace(beta1=beta1)
+    hooks.denominators.update(denominators)
+    return hooks
+
+
 def test_the_warm_up_is_adamw_exactly():
     reference, ours = _params(), _params()
     adamw = torch.optim.AdamW(_groups(reference), lr=1e-2, betas=BETAS)
@@ -50,7 +57,7 @@ def test_the_warm_up_is_adamw_exactly():
     assert onebit.phase.frozen and onebit.phase.steps == 5 and onebit.steps_in_state() == 5
 
 
-def test_after_the_freeze_the_step_divides_the_carried_plus_delivered_momentum_by_the_frozen_variance():
+def test_after_the_freeze_the_step_is_the_carried_plus_delivered_momentum_over_the_frozen_variance():
     freeze, lr, eps = 3, 1e-2, 1e-8
     params = _params()
     hooks = OneBitMomentum(freeze_step=freeze)
@@ -64,9 +71,12 @@ def test_after_the_freeze_the_step_divides_the_carried_plus_delivered_momentum_b
     variance = [optimizer.state[p]["exp_avg_sq"].clone() for p in params]
     local = [torch.zeros_like(p) for p in params]  # the hooks' local momenta start at zero at the freeze
     beta1, beta2 = BETAS
+    denominators = [(v / (1 - beta2 ** freeze)).sqrt() + eps for v in variance]
+    assert all(torch.equal(optimizer.denominator(p), d) for p, d in zip(params, denominators))
     for step, step_gradients in enumerate(gradients[freeze:], start=freeze + 1):
         local = [beta1 * m + (1 - beta1) * g for m, g in zip(local, step_gradients)]
-        _set(params, local)  # what lossless hooks would deliver: the average of the local momenta
+        _set(params, [m / d for m, d in zip(local, denominators)])  # what lossless hooks deliver: avg(m / d)
+        assert not optimizer.clipping_applies
         optimizer.step()
         momentum = [beta1 * m + (1 - beta1) * g for m, g in zip(momentum, step_gradients)]  # Adam's, on the true gradients
         for index, (w, m, v) in enumerate(zip(weights, momentum, variance)):
@@ -80,9 +90,7 @@ def test_after_the_freeze_the_step_divides_the_carried_plus_delivered_momentum_b
 
 def test_error_feedback_makes_the_applied_momentum_converge_to_the_true_average():
     """Two ranks' hooks: the sum over steps of what the owner applies tracks the sum of the true averaged momenta."""
-    ranks = [OneBitMomentum(chunk_size=64, freeze_step=1) for _ in range(2)]
-    for hooks in ranks:
-        hooks.phase.steps, hooks.phase.beta1 = 1, 0.9
+    ranks = [_frozen(OneBitMomentum(chunk_size=64, freeze_step=1), {"unit0/0": torch.ones(1000)}) for _ in range(2)]
     generator = torch.Generator().manual_seed(0)
     drift = torch.randn(1000, generator=generator)
     applied_sum = true_sum = torch.zeros(1000)
@@ -103,8 +111,8 @@ def test_error_feedback_makes_the_applied_momentum_converge_to_the_true_average(
 
 
 def test_the_hooks_state_round_trips_and_the_second_stage_shares_it_without_accumulating():
-    hooks = OneBitMomentum(chunk_size=8, freeze_step=1, state_dtype=torch.bfloat16)
-    hooks.phase.steps, hooks.phase.beta1 = 1, 0.9
+    hooks = _frozen(OneBitMomentum(chunk_size=8, freeze_step=1, state_dtype=torch.bfloat16),
+                    {"unit0/0": torch.full((16,), 2.0, dtype=torch.bfloat16)})
     hooks.compress(torch.ones(16), "unit0/0", seed=0)
     second = hooks.second_stage()
     second.compress(torch.ones(4), "unit0/ar", seed=0)
@@ -113,7 +121,8 @@ def test_the_hooks_state_round_trips_and_the_second_stage_shares_it_without_accu
     restored = OneBitMomentum(chunk_size=8, freeze_step=1, state_dtype=torch.bfloat16)
     restored.load_state_dict(hooks.state_dict())
     assert torch.equal(restored.momenta["unit0/0"], hooks.momenta["unit0/0"])
-    assert restored.memory_bytes == hooks.memory_bytes == 2 * (16 + 16 + 4)
+    assert hooks.memory_bytes == 2 * (16 + 16 + 4 + 16)  # momenta, residuals, denominators, in bfloat16
+    assert restored.memory_bytes == 2 * (16 + 16 + 4) and not restored.denominators  # gathered again when used
 
 
 def test_the_optimizer_restores_its_phase_from_its_state():
@@ -138,12 +147,12 @@ def test_bad_settings_raise_one_clear_error(settings, message):
         CompressionConfig(method="onebit_adam", **settings).build(rank=0)
 
 
-def test_memory_counts_local_momenta_and_residuals_unsharded():
+def test_memory_counts_local_momenta_residuals_and_denominators_unsharded():
     fp32, bf16 = CompressionConfig(method="onebit_adam"), CompressionConfig(method="onebit_adam", residual_dtype="bfloat16")
-    assert fp32.state_bytes(1000, shard=4, replicas=1, rows=64) == 8000  # a momentum and a residual per parameter
-    assert bf16.state_bytes(1000, shard=4, replicas=1, rows=64) == 4000
-    assert fp32.state_bytes(1000, shard=1, replicas=4, rows=64) == 8000  # NO_SHARD: the all-reduce holds both
-    assert fp32.state_bytes(1000, shard=2, replicas=2, rows=64) == 8000 + 4 * 500  # HYBRID: a residual per shard
+    assert fp32.state_bytes(1000, shard=4, replicas=1, rows=64) == 12000  # a momentum, residual and denominator each
+    assert bf16.state_bytes(1000, shard=4, replicas=1, rows=64) == 6000
+    assert fp32.state_bytes(1000, shard=1, replicas=4, rows=64) == 12000  # NO_SHARD: the all-reduce holds them
+    assert fp32.state_bytes(1000, shard=2, replicas=2, rows=64) == 12000 + 4 * 500  # HYBRID: a residual per shard
     assert fp32.warmup() == 100 and CompressionConfig(method="int8").warmup() == 0
 
 
@@ -213,7 +222,9 @@ def test_a_nonfinite_step_after_the_freeze_is_skipped_on_every_rank_and_training
 def _hook_calls(rank: int, world: int) -> list:
     """The reduce-scatter hook called as FSDP2 calls it, once before the freeze and twice after."""
     compressor = CompressionConfig(method="onebit_adam", freeze_step=1).build(rank)
-    compressor.phase.beta1 = 0.9
+    compressor.phase.optimizer = types.SimpleNamespace(beta1=0.9)
+    for row in range(world):  # what the freeze would have gathered
+        compressor.denominators[f"unit0/{row}"] = torch.full((SHARD,), 0.5)
     stats = CommStats()
     hook = CompressedReduceScatter(compressor, stats, "unit0")
     calls = []
@@ -234,10 +245,8 @@ def test_the_hook_reduces_exactly_before_the_freeze_and_averages_decoded_momenta
         torch.testing.assert_close(warm, (rows[0][0] + rows[0][1]) / 2, rtol=0, atol=0)
         assert warm_stats["bytes_sent"] == warm_stats["bytes_raw"] == SHARD * 4
         # after the freeze: every rank's local momentum for this row, compressed as that rank's hooks did
-        senders = [OneBitMomentum(freeze_step=1) for _ in range(2)]
-        for sender in senders:
-            sender.phase.steps, sender.phase.beta1 = 1, 0.9
+        senders = [_frozen(OneBitMomentum(freeze_step=1), {f"unit0/{rank}": torch.full((SHARD,), 0.5)}) for _ in range(2)]
         for step, (out, step_stats) in enumerate(frozen, start=1):
             decoded = [s.decompress(s.compress(rows[step][r], f"unit0/{rank}", 0)) for r, s in enumerate(senders)]
             torch.testing.assert_close(out, (decoded[0] + decoded[1]) / 2, rtol=1e-6, atol=1e-6)
-            assert step_stats["bytes_sent"] == -(-SHARD // 8) + 4 * -(-SHARD // 1024)  # sign bits, a scale per chunk
+            assert step_stats["bytes_sent"] == -(-SHARD // 8) + 4 * -(-SHARD // 128)  # sign bits, a scale per 128
