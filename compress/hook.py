@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -11,19 +9,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter, RestoredState
 from compress.config import CompressionConfig
+from compress.layout import unit_layout
 from compress.onebit_adam import OneBitAdam, OneBitAdamAllReduce, OneBitAdamReduceScatter, OneBitMomentum
 from compress.param_gather import QuantizedAllGather
-from compress.layout import unit_layout
 from compress.powersgd import PowerSGD, PowerSGDAllReduce, PowerSGDReduceScatter
 from compress.sketched_sgd import SketchedAllReduce, SketchedReduceScatter, SketchedSGD
-
-
-def reduce_scatter_row(module: FSDPModule, world: int) -> int:
-    """Elements per destination in this module's reduce-scatter: its own parameters' padded shards."""
-    nested = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
-    return sum(
-        math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) for p in module.parameters() if id(p) not in nested
-    )
 
 
 class GradientCompression:
@@ -78,7 +68,7 @@ class GradientCompression:
             return
         check_fits = getattr(getattr(self.compressor, "inner", self.compressor), "check_fits", None)
         if check_fits is not None:  # e.g. a low rank larger than a chunk's matrix: fail before the first step
-            check_fits(reduce_scatter_row(module, shard.size()))
+            check_fits(unit_layout(module, shard.size(), 0).shard_numel)  # elements per destination row
         if isinstance(self.compressor, PowerSGD):  # its own communicators: native all-reduces of P and Q, no payloads
             # the reduce-scatter's input is the unit's rank-major flat gradient; the replicate all-reduce's, this
             # rank's shard of it: the same layout describes both
