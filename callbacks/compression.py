@@ -159,7 +159,7 @@ def sampled_error(counters: dict[str, float]) -> dict[str, float]:
 def memory_metrics(hook: GradientCompression, with_norm: bool = True) -> dict[str, float]:
     """Error-feedback residuals: the memory they hold, and their norm (``with_norm``: one read of the device)."""
     compressor = hook.compressor
-    if not hasattr(compressor, "residual_norm"):
+    if not hasattr(type(compressor), "residual_norm"):  # on the class: hasattr on the instance computes the norm
         return {}
     metrics = {"compress/residual_bytes": compressor.memory_bytes}
     if with_norm:

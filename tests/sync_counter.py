@@ -6,12 +6,17 @@ the host in a way that waits. On the CPU nothing waits, so those points are invi
 them visible by what they are:
 
 - ``aten._local_scalar_dense``: ``.item()``, ``int(t)``, ``float(t)``, ``bool(t)``, ``bytes(t)`` (one per element);
+  ``aten.equal`` (``torch.equal``), whose answer is a bool on the host;
 - ops whose output shape depends on the data: ``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave``
   with tensor repeats, indexing with a boolean mask, and index-put with a boolean mask of more than one value;
 - ``aten.lift_fresh``: a tensor built from Python data (``torch.tensor([...])``, or the value of ``t[0] = 5``), a
   blocking host-to-device copy on CUDA; not where the value only fills (``t[:2] = 5``, ``t[mask] = 5``);
 - ``Tensor.tolist()``, ``Tensor.cpu()``, ``Tensor.numpy()``: device-to-host copies; on CPU tensors they never reach
   the dispatcher, so the ``torch.Tensor`` methods are patched while the counter is active;
+- ``Tensor.to(...)`` to the host: a target named as the CPU (``"cpu"``, ``device="cpu"``), or a CPU ``torch.device`` or
+  tensor when the source is not on the CPU. A ``torch.device`` alone does not count from a CPU source: on the CPU every
+  ``t.device`` is the CPU, and ``x.to(t.device)`` stays on the device in a CUDA run;
+- ``aten.copy_`` into a CPU tensor from one on another device, except a ``non_blocking`` copy into pinned memory;
 - calls of ``compress.timing.wait_for_device`` (the communication path's one deliberate wait) and of
   ``torch.cuda.synchronize``.
 
@@ -43,7 +48,7 @@ _OWN_CODE = tuple(str(_REPO / package) + "/" for package in _PACKAGES)
 aten = torch.ops.aten
 #: aten ops that read a value on the host, or whose output shape depends on the values (always)
 _SYNC_OPS = {
-    aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.lift_fresh,
+    aten._local_scalar_dense, aten.equal, aten.nonzero, aten.masked_select, aten.lift_fresh,
     aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive, aten.unique_dim_consecutive,
 }
 _INDEX_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
@@ -65,10 +70,29 @@ def _bool_index(args: tuple, kwargs: dict) -> bool:
     return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
+def _copies_to_host(args: tuple, kwargs: dict) -> bool:
+    """Whether ``aten.copy_(dst, src, non_blocking)`` copies from another device into host memory and waits for it."""
+    dst, src = args[0], args[1]
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    return dst.device.type == "cpu" and src.device.type != "cpu" and not (non_blocking and dst.is_pinned())
+
+
+def _moves_to_host(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+    """Whether ``tensor.to(*args, **kwargs)`` is a device-to-host copy (see the module docstring for a CPU source)."""
+    target = kwargs.get("device", args[0] if args else None)
+    if isinstance(target, str):
+        return target.split(":")[0] == "cpu"
+    if isinstance(target, torch.Tensor):
+        target = target.device
+    return isinstance(target, torch.device) and target.type == "cpu" and tensor.device.type != "cpu"
+
+
 def _is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
     packet = func.overloadpacket
     if packet in _SYNC_OPS:
         return True
+    if packet is aten.copy_:
+        return _copies_to_host(args, kwargs)
     if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor):  # length: the repeats' sum
         return kwargs.get("output_size") is None
     if packet is aten.index:  # a boolean mask index is a nonzero() in disguise
@@ -151,12 +175,19 @@ class SyncCounter:
     def _record(self, op: str) -> None:
         self.points.append(SyncPoint(op, _location()))
 
-    def _counting(self, owner: Any, name: str, label: str) -> None:
+    def _counting(self, owner: Any, name: str, label: str, when: Any = None) -> None:
+        """Patch ``owner.name`` to record ``label`` at each call (where ``when(*args, **kwargs)`` holds, if given).
+
+        A call made inside another counted call (``wait_for_device`` calls ``torch.cuda.synchronize``) is that
+        call's own work: it is not recorded again.
+        """
         original = getattr(owner, name)
         self._saved[(owner, name)] = vars(owner).get(name)
         counter = self
 
         def counted(*args, **kwargs):
+            if counter._inside_patch or (when is not None and not when(*args, **kwargs)):
+                return original(*args, **kwargs)
             counter._record(label)
             counter._inside_patch += 1
             try:
@@ -171,6 +202,7 @@ class SyncCounter:
         if self._depth == 1:
             for name in _HOST_COPIES:
                 self._counting(torch.Tensor, name, f"Tensor.{name}")
+            self._counting(torch.Tensor, "to", "Tensor.to(cpu)", when=_moves_to_host)
             wait = compress.timing.wait_for_device
             for module in [m for name, m in sys.modules.items() if name.split(".")[0] in _PACKAGES]:
                 if getattr(module, "wait_for_device", None) is wait:  # also where it was imported by name

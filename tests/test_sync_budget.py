@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from collections import Counter
 
 import pytest
@@ -19,8 +20,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 import compress.timing
+from callbacks.compression import CompressionStats
+from compress.communicator import PayloadMover
 from compress.config import METHODS, CompressionConfig
+from compress.hook import GradientCompression
 from tests.distributed import run
+from tests.fake_cuda import FakeGpu
 from tests.helpers import batch, loss_of, optimizer_for, sharded_model
 from tests.sync_counter import SyncCounter, SyncPoint, summary
 
@@ -43,6 +48,9 @@ BUDGETS: dict[str, int] = {
 #: The non-finite guard (``NonFiniteGuard.clip_and_guard``): one read per optimizer step, of the flags (loss,
 #: gradient norm, the hooks' non-finite count) after one all-reduce, so that every rank takes the same decision.
 GUARD_BUDGET = 1
+#: The compression callback's per-step read (``CompressionStats.on_train_batch_end``): ``CommStats.take`` waits for the
+#: device once (the hooks' timing events) and reads it once (the counters); a sampled step also reads the residuals' norm.
+STEP_READ_BUDGET = {"unsampled": 2, "sampled": 3}
 SHARDINGS = {"FULL_SHARD": (2,), "NO_SHARD": (2, 1)}
 WARMUP_STEPS = 2
 
@@ -50,6 +58,12 @@ WARMUP_STEPS = 2
 def _cuda_synchronize(t: torch.Tensor) -> None:
     with contextlib.suppress(Exception):  # counted before it runs; a CPU-only torch then refuses it
         torch.cuda.synchronize()
+
+
+def _copy_from_another_device(t: torch.Tensor) -> None:
+    source = torch.empty_like(t, device="meta")  # the one non-CPU device a CPU-only torch has
+    with contextlib.suppress(NotImplementedError):  # counted before it runs; a meta tensor has no data to copy
+        t.copy_(source)
 
 
 ONE_SYNC = {
@@ -60,6 +74,10 @@ ONE_SYNC = {
     "t.tolist()": lambda t: t.tolist(),
     "t.cpu()": lambda t: t.cpu(),
     "t.numpy()": lambda t: t.numpy(),
+    't.to("cpu")': lambda t: t.to("cpu"),
+    't.to(device="cpu", dtype=float16)': lambda t: t.to(device="cpu", dtype=torch.float16),
+    "cpu_buffer.copy_(t on another device)": _copy_from_another_device,
+    "torch.equal(t, t)": lambda t: torch.equal(t, t),
     "t[t > 0]": lambda t: t[t > 0],
     "t[0] = 5 (copied from the host)": lambda t: t.__setitem__(0, 5.0),
     "t[positions] = 5 (copied from the host)": lambda t: t.__setitem__(t.topk(2).indices, 5.0),
@@ -81,6 +99,9 @@ NO_SYNC = {
     "t[t > 0] = 5 (a masked fill)": lambda t: t.__setitem__(t > 0, 5.0),
     "t[t > 0] = zero (a masked fill)": lambda t: t.__setitem__(t > 0, t.new_zeros(())),
     "t.sum()": lambda t: t.sum(),
+    "t.to(float16)": lambda t: t.to(torch.float16),
+    "t.to(t.device) (stays on the device)": lambda t: t.to(t.device),
+    "t.new_zeros(8).copy_(t) (on one device)": lambda t: t.new_zeros(8).copy_(t),
     "repeat_interleave(repeats, output_size=3)":
         lambda t: torch.repeat_interleave(t.new_ones(3, dtype=torch.long), output_size=3),
 }
@@ -104,7 +125,7 @@ def test_work_the_device_can_queue_counts_nothing(name):
 
 def test_the_counter_counts_nested_blocks_once_and_restores_what_it_patched():
     t = torch.randn(8)
-    methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu", "numpy")}
+    methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu", "numpy", "to")}
     wait, synchronize = compress.timing.wait_for_device, torch.cuda.synchronize
     counter = SyncCounter()
     with counter:
@@ -254,3 +275,25 @@ def test_the_nonfinite_guard_syncs_once_per_optimizer_step(measured, sharding):
                 over.setdefault(f"{len(points)} syncs: {summary(points)}", []).append(f"{case} (rank {rank})")
     assert not over, f"NonFiniteGuard.clip_and_guard, {sharding}: over {GUARD_BUDGET} per optimizer step:\n" + "\n".join(
         f"{found}, in {', '.join(where)}" for found, where in over.items())
+
+
+@pytest.mark.parametrize("step", STEP_READ_BUDGET)
+def test_the_compression_callbacks_step_read_stays_within_its_budget(monkeypatch, step):
+    gpu = FakeGpu(monkeypatch)
+    hook = GradientCompression(CompressionConfig(method="topk", error_feedback=True))
+    hook.compressor = hook.config.build(rank=0)
+    mover = PayloadMover(hook.compressor, hook.stats, "unit0", hook.restored)
+    hook.stats.sampling = step == "sampled"
+    # one hook call's device work: counters on the device, a collective timed by CUDA events
+    row = mover.screen(torch.randn(64))
+    mover.sample([mover.compress(row, "unit0/0", mover.next_seed())], [row], ["unit0/0"])
+    with mover.timed("extra_collective_s", torch.device("cuda", 0)):
+        gpu.run(1)
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(comm_hook=hook), global_step=1, loggers=[],
+                                    fit_loop=types.SimpleNamespace(_should_accumulate=lambda: False))
+    callback = CompressionStats(sample_every_n_steps=1)
+    with SyncCounter() as counter:
+        callback.on_train_batch_end(trainer, None, None, None, 0)
+    assert len(counter) <= STEP_READ_BUDGET[step], counter.summary()
+    assert gpu.waits == 1 and callback.totals["extra_collective_s"] == pytest.approx(0.001)
+    assert bool(callback.samples) == (step == "sampled")
