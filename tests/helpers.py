@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -155,6 +156,36 @@ def gradient(rank: int, numel: int) -> torch.Tensor:
     noise = torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank))
     noise[::61] += 30.0
     return noise
+
+
+def payload_bytes(config: dict, n: int, kept: int = 0, call: int = 0) -> int:
+    """Bytes one rank sends for a row of ``n`` float32 gradient values under ``config`` (``CompressionConfig`` fields),
+    from each format's definition; ``kept``: what a threshold keeps, ``call``: the row's call, for DGC's warm-up."""
+    p = CompressionConfig(**config).parameters()
+    method, bitmap = config["method"], -(-n // 8)
+    chunks = -(-n // p["chunk_size"]) if "chunk_size" in p else 0
+    if method in ("topk", "randomk", "thresholdv"):
+        ratio, warmup = p.get("ratio"), p.get("warmup_steps")
+        if warmup and call < warmup:  # DGC: the density falls from 1 to ratio, exponentially
+            ratio = ratio ** (call / warmup)
+        k = kept if method == "thresholdv" else max(1, round(ratio * n)) if ratio is not None else min(p["k"], n)
+        values = payload_bytes({"method": config["quantize"]}, k) if config.get("quantize") else 4 * k
+        index = 0 if method == "randomk" else min(4 * k, bitmap)  # the cheaper of int32 positions and a bitmap
+        return values + index + (8 if method == "thresholdv" else 0)  # threshold-v exchanges its count first
+    if method == "lowrank":  # P (rows x rank) and Q (cols x rank) of the row as a matrix about sqrt(n) wide
+        cols = min(p["cols"] or math.ceil(math.sqrt(n)), n)
+        return 4 * p["rank"] * (-(-n // cols) + cols)
+    if method == "sketch":  # the count sketch, then the candidates' int32 positions and fp32 values
+        k = max(1, round(p["heavy_ratio"] * n))
+        return 4 * p["rows"] * math.ceil(p["ratio"] * n / p["rows"]) + 8 * k
+    return {
+        "fp16": 2 * n, "bf16": 2 * n,  # native reduce-scatter of 2-byte values
+        "fp8": n + 4 * chunks,  # a byte per value, an fp32 scale per chunk
+        "int8": -(-n * p.get("num_bits", 0) // 8) + 4 * chunks,  # num_bits per value, an fp32 scale per chunk
+        "qsgd": -(-n * (2 * p.get("levels", 0)).bit_length() // 8) + 4 * chunks,  # a level in [-l, l], a norm per chunk
+        "natural": n + bitmap,  # an exponent byte and a sign bit per value
+        "signsgd": bitmap + 4 * chunks, "onebit": bitmap + 8 * chunks,  # sign bits, one or two fp32 per chunk
+    }[method]
 
 
 # gpt2-tiny sharded by the real strategy on CPU processes, without a Trainer, and a loss on random tokens.

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter, PayloadMover
+from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter, PayloadMover, RestoredState
 from compress.config import METHODS, CompressionConfig
 from compress.payload import Payload, layout_of, pack, unpack
 from tests.distributed import run
-from tests.helpers import SHARD, gradient
+from tests.helpers import SHARD, gradient, payload_bytes
 
 
 def reduce_scatter(rank: int, world: int, config: dict, op) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -67,24 +67,6 @@ def local_estimate(config: dict, world: int, destination: int) -> torch.Tensor:
     return total / world
 
 
-def expected_bytes(method: str, row: torch.Tensor) -> int:
-    """Bytes one rank sends for ``row`` (its payload for the other rank), from each format's definition."""
-    n, chunks, bitmap = SHARD, -(-SHARD // 1024), -(-SHARD // 8)
-    k = round(0.3 * n)
-    kept = int((row.abs() >= 1e-3).sum())
-    return {
-        "fp16": 2 * n, "bf16": 2 * n,  # native reduce-scatter of 2-byte values
-        "fp8": n + 4 * chunks, "int8": n + 4 * chunks,  # a byte per value, an fp32 scale per chunk
-        "qsgd": -(-6 * n // 8) + 4 * chunks,  # 16 levels: 6 bits per signed level, an fp32 norm per chunk
-        "natural": n + bitmap,  # an exponent byte and a sign bit per value
-        "topk": 4 * k + min(4 * k, bitmap),  # fp32 values, the cheaper of int32 positions and a bitmap
-        "randomk": 4 * k,  # values only: positions come from the shared seed
-        "thresholdv": 8 + 4 * kept + min(4 * kept, bitmap),  # the count exchange, then as topk
-        "lowrank": 4 * 4 * (35 + 36),  # rank 4: P (35 x 4) and Q (36 x 4) of the 35 x 36 matrix
-        "signsgd": bitmap + 4 * chunks, "onebit": bitmap + 8 * chunks,  # sign bits, one or two fp32 per chunk
-    }[method]
-
-
 # PowerSGD and Sketched-SGD bring their own communicators: tests/test_powersgd.py, tests/test_sketched_sgd.py;
 # 1-bit Adam's hooks compress momenta, not the gradient given: tests/test_onebit_adam.py
 @pytest.mark.parametrize("method", [m for m in METHODS if m not in ("none", "powersgd", "sketch", "onebit_adam")])
@@ -96,7 +78,7 @@ def test_every_method_reduce_scatters_exactly_the_rank_ordered_sum_of_decoded_pa
             torch.testing.assert_close(out, expected * factor, rtol=1e-6, atol=1e-6)
             assert stats["bytes_raw"] == SHARD * 4
             other = gradient(rank, 2 * SHARD).view(2, SHARD)[1 - rank]  # the row this rank sent away
-            assert stats["bytes_sent"] == expected_bytes(method, other)
+            assert stats["bytes_sent"] == payload_bytes(config, SHARD, kept=int((other.abs() >= 1e-3).sum()))
         # and an estimate of the true mean, better than sending nothing (sign methods barely, on these spiky rows)
         error = (per_op[0][0] - per_op[0][1]).norm() / per_op[0][1].norm()
         assert error < {"topk": 0.75, "randomk": 2.0, "thresholdv": 1e-5, "signsgd": 0.99, "onebit": 0.99,
@@ -176,3 +158,37 @@ def test_a_variable_size_payload_is_described_by_its_kept_count(config):
     assert layout == layout_of(payload) and like.kept == payload.kept == kept
     assert like.index_names == payload.index_names
     torch.testing.assert_close(compressor.decompress(unpack(pack(payload), layout, like)), compressor.decompress(payload))
+
+
+class OnGpu:
+    """A restored state tensor as ``RestoredState`` sees it: on a GPU, noting the streams it is recorded on."""
+
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+    def __init__(self) -> None:
+        self.streams: list[str] = []
+
+    def record_stream(self, stream: str) -> None:
+        self.streams.append(stream)
+
+
+def test_restored_state_is_recorded_once_on_each_hooks_stream_then_let_go(monkeypatch):
+    stream = {"current": "default"}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream["current"])
+    restored, stats = RestoredState(), CommStats()
+    # one unit's two hooks, as GradientCompression.register shares its RestoredState; FSDP2 runs each on its stream
+    hooks = {name: PayloadMover(None, stats, f"unit0/{name}", restored) for name in ("reduce_scatter", "all_reduce")}
+    residual, momentum = OnGpu(), OnGpu()
+    restored.load([residual, torch.zeros(2), momentum])  # a CPU tensor needs no stream
+    for step in range(2):
+        for name, mover in hooks.items():
+            stream["current"] = name
+            mover.next_seed()  # what every hook call starts with
+            if (step, name) == (0, "reduce_scatter"):
+                assert restored.tensors == [residual, momentum]  # the all-reduce hook has yet to adopt them
+    assert residual.streams == momentum.streams == ["reduce_scatter", "all_reduce"]
+    assert restored.tensors == []  # adopted by every hook: the list no longer keeps replaced state alive
+    restored.load([residual])  # a second load is adopted again
+    hooks["all_reduce"].next_seed()
+    assert residual.streams == ["reduce_scatter", "all_reduce", "all_reduce"] and restored.tensors == [residual]

@@ -1,5 +1,5 @@
-"""scripts/sweep.py and scripts/compare_runs.py: a real 2-process sweep with a failure, its table and plots;
-the grouping and paired-change arithmetic on hand-made records; W&B input without a network."""
+"""scripts/sweep.py and lit_fsdp.compare_runs (scripts/compare_runs.py): a real 2-process sweep with a failure, its
+table and plots; the grouping and paired-change arithmetic on hand-made records; W&B input without a network."""
 
 from __future__ import annotations
 
@@ -14,12 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from lit_fsdp import compare_runs
+from lit_fsdp import sweep as sweep_script
 from tests.helpers import REPO
-
-sys.path.insert(0, str(REPO / "scripts"))
-import compare_runs  # noqa: E402
-
-from lit_fsdp import sweep as sweep_script  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 # 6 steps of gpt2-tiny on 2 processes, validating at steps 3 and 6; every target of 100 is reached at step 3.

@@ -10,10 +10,8 @@ import sys
 
 import pytest
 
+from lit_fsdp import compare_runs
 from tests.helpers import REPO
-
-sys.path.insert(0, str(REPO / "scripts"))
-import compare_runs  # noqa: E402
 
 # 4 steps of gpt2-tiny on 2 processes, one validation at the end.
 RUN_ARGS = [

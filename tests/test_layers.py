@@ -21,12 +21,14 @@ APPLICATION_MODULES = (
     "lit_fsdp.cli",
     "lit_fsdp.__main__",
     "lit_fsdp.tune",
+    "lit_fsdp.estimate",  # what a run needs and how fast it can go, from every strategy's accounting
     "lit_fsdp.generate",
     "lit_fsdp.evaluate",
     "lit_fsdp.export",
     "lit_fsdp.trained",  # the model generate and evaluate load
     "lit_fsdp.launch",  # runs `python -m lit_fsdp fit` in a subprocess, for tune and the scripts
     "lit_fsdp.sweep",  # runs of methods x strategies x seeds, for the scripts
+    "lit_fsdp.compare_runs",  # tables and plots of runs' results, for the scripts
 )
 #: offload and callbacks share a layer and do not import each other.
 SIBLINGS = {"offload", "callbacks"}

@@ -88,7 +88,7 @@ def test_tune_runs_four_trials_rejects_what_cannot_run_and_goes_on_after_a_crash
     rejected = {t["knobs"]["strategy"] + ":" + str(t["knobs"].get("sharding")): t["error"]
                 for t in tuned["trials"] if t["status"] == "rejected"}
     assert "outside the search space" in rejected["fsdp2:QUARTER_SHARD"]
-    assert "memory filter: needs ~0.003 GB of host memory per node" in rejected["slide_fsdp:None"]
+    assert "memory filter: needs ~0.004 GB of host memory per node" in rejected["slide_fsdp:None"]  # 20 B/param + ring
     for trial in (t for t in ran if t["status"] == "ok"):
         assert trial["tokens_per_s"] > 0 and trial["peak_gb"] > 0 and len(trial["losses"]) == 4
         assert trial["check_loss"] is not None and trial["estimate"]["device_total"] > 0 and trial["findings"]
@@ -104,6 +104,16 @@ def test_tune_writes_a_report_with_a_table_and_a_plot(tuned):
     assert "## Rejected without running" in report and "![tokens/s per trial](tokens_per_s.png)" in report
     assert (tuned["out"] / "tokens_per_s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "best: trial" in tuned["stdout"]
+
+
+def test_the_calibrated_memory_estimate_is_within_3_percent_of_the_peaks_the_trials_measured(tuned):
+    """Trial 1 calibrates the per-process overhead; the two other finished trials measured 0.4% to 0.8% off their
+    estimates (two runs). On a CPU the peak (RSS, ~0.52 GB) is mostly that overhead: the analytic terms are ~1% of it."""
+    memory = json.loads((tuned["out"] / "summary.json").read_text())["memory"]
+    measured = [t for t in tuned["trials"] if t["status"] == "ok" and t["index"] != memory["calibrated_by"]]
+    errors = [(t["estimate"]["device_total"] - t["peak_gb"]) / t["peak_gb"] for t in measured]
+    assert len(errors) == 2 and memory["estimate_errors"] == pytest.approx(errors, abs=1e-3)  # the summary's, recomputed
+    assert max(map(abs, errors)) < 0.03
 
 
 def test_best_yaml_is_an_overlay_fit_accepts(tuned):
