@@ -70,7 +70,10 @@ class OffloadStats(pl.Callback):
             total = strategy.reduce(mine, reduce_op="sum") if trainer.world_size > 1 else mine
             per_node = float(total) / trainer.num_nodes / _GB
             billions = strategy.parameter_count() / 1e9
-            self._host = {"host_state_gb_per_node": per_node, "host_gb_per_billion_params": per_node / billions}
+            # What the preflight counted for the same buffers (offload.host_memory), beside what was allocated.
+            estimate = strategy.host_buffer_estimate(trainer, trainer.lightning_module, trainer.datamodule)
+            self._host = {"host_state_gb_per_node": per_node, "host_gb_per_billion_params": per_node / billions,
+                          "host_estimate_gb_per_node": sum(estimate.values()) / _GB}
         return self._host
 
     def summary(self) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Entry point: ``python -m lit_fsdp`` (or ``lit-fsdp``) with fit/validate/test/predict, tune, export, generate, evaluate,
-hardware or compressors."""
+"""Entry point: ``python -m lit_fsdp`` (or ``lit-fsdp``) with fit/validate/test/predict, tune, estimate, export, generate,
+evaluate, hardware or compressors."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> None:
             from lit_fsdp.tune.command import main as tune
 
             tune(args[1:])
+        elif args[:1] == ["estimate"]:
+            from lit_fsdp.estimate import main as estimate
+
+            estimate(args[1:])
         elif args[:1] and args[0] in SINGLE_PROCESS_COMMANDS:
             from importlib import import_module
 

@@ -62,7 +62,7 @@ class LitFsdpCLI(LightningCLI):
                 "and need lit_fsdp.strategy.FSDP2Strategy (the default), offload.SlideFSDPStrategy or "
                 "lit_fsdp.ddp.DDPStrategy (whole model on each rank): remove the --trainer.strategy override"
             )
-        strategy.preflight(self.trainer, self.model)
+        strategy.preflight(self.trainer, self.model, self.datamodule)
         positions = getattr(self.model.hf_config(), "max_position_embeddings", None)
         seq_len = getattr(self.datamodule, "seq_len", 0)
         if positions is not None and seq_len > positions:
@@ -122,9 +122,10 @@ class LitFsdpCLI(LightningCLI):
             raise PeerLostError(line) from error
 
 
-def run(args: list[str] | None = None, **cli_options: Any) -> LitFsdpCLI:
-    """The CLI on ``args``; ``run=False`` parses them into a trainer, model and data without a subcommand (``tune`` does)."""
-    return LitFsdpCLI(
+def run(args: list[str] | None = None, cli_class: type[LitFsdpCLI] = LitFsdpCLI, **cli_options: Any) -> LitFsdpCLI:
+    """The CLI on ``args``; ``run=False`` parses them into a trainer, model and data without a subcommand (``tune`` does);
+    ``cli_class`` a subclass that instantiates less (``estimate``'s, without a Trainer)."""
+    return cli_class(
         CausalLM,
         BlockDataModule,
         subclass_mode_data=True,

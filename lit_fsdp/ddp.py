@@ -78,7 +78,7 @@ class DDPStrategy(NonFiniteGuard, AtomicCheckpoints, LightningDDPStrategy):
     def resolve_dtype(self, name: DType) -> torch.dtype:
         return resolve_dtype(name, self.root_device)
 
-    def preflight(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
         """Checks run by the CLI before Lightning starts the other processes."""
         check_precision(trainer, self)
 

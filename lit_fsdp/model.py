@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from lit_fsdp.loss import LossHead
 from lit_fsdp.presets import build_config
 from lit_fsdp.weights import init_by_unit, load_by_shard, parameters_on_meta
 
@@ -34,6 +35,7 @@ class CausalLM(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
+        loss_chunk_tokens: int = 1024,
     ):
         """
         Args:
@@ -46,6 +48,8 @@ class CausalLM(pl.LightningModule):
             betas: AdamW betas.
             warmup_steps: Linear warm-up steps before the cosine decay.
             min_lr_ratio: Final learning rate as a fraction of the peak.
+            loss_chunk_tokens: Tokens whose full-vocabulary logits the loss makes at once (the head computes the
+                loss and its gradient chunk by chunk, so a step's whole logits never exist); 0 for the plain loss.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -56,6 +60,9 @@ class CausalLM(pl.LightningModule):
                 )
         else:
             build_config(preset, config_overrides)  # fail on an unknown preset before any process starts
+        if loss_chunk_tokens < 0:
+            raise ValueError(f"--model.loss_chunk_tokens is {loss_chunk_tokens}; give a positive number of tokens, "
+                             "or 0 for the plain loss")
         self.model: torch.nn.Module | None = None
         self.val_loss = MeanMetric()
         self._init_seed = 0
@@ -89,6 +96,8 @@ class CausalLM(pl.LightningModule):
             self.model = AutoModelForCausalLM.from_config(config)
         self.model.tie_weights()  # no_init_weights also skips the tying that init_weights does
         self.model.config.use_cache = False
+        if self.hparams.loss_chunk_tokens:
+            LossHead.convert(self.model.get_output_embeddings(), self.hparams.loss_chunk_tokens)
         self._init_seed = torch.initial_seed()
 
     def initialize_weights(self, blocks: list[tuple[str, torch.nn.Module]]) -> None:
@@ -105,6 +114,10 @@ class CausalLM(pl.LightningModule):
     # --- steps -----------------------------------------------------------------------------------
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        head = self.model.get_output_embeddings()
+        if isinstance(head, LossHead):  # the head returns the loss, inside the model's (FSDP root's) forward
+            with head.targets(batch["labels"]):
+                return self(batch["input_ids"])
         logits = self(batch["input_ids"])
         return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
 

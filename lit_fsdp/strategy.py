@@ -183,7 +183,7 @@ class CausalLMStrategy(NonFiniteGuard, AtomicCheckpoints, ModelParallelStrategy)
     def mesh_shape(self, world_size: int, num_nodes: int) -> tuple[int, ...]:
         """The device mesh: (shard,) or (replicate, shard); raises ValueError when it cannot be built."""
 
-    def preflight(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
         """Checks that need no process group, run by the CLI before Lightning starts the other processes."""
         self.mesh_shape(trainer.num_nodes * trainer.num_devices, trainer.num_nodes)
         self._get_process_group_backend()
@@ -382,8 +382,8 @@ class FSDP2Strategy(CausalLMStrategy):
             pin_memory=self.root_device.type == "cuda",
         )
 
-    def preflight(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        super().preflight(trainer, module)
+    def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
+        super().preflight(trainer, module, datamodule)
         if self.compression is not None:
             self.compression.build(rank=0)  # unknown method, out-of-range parameter: fail here
             self.compression.param_codec()

@@ -18,6 +18,7 @@ Buffers that cross PCIe (staging, gradient ring) are pinned on GPUs unless pinni
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import uuid
@@ -33,15 +34,14 @@ from compress.layout import UnitLayout
 SHM_DIR = Path("/dev/shm")
 
 
-def pinned_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host buffer, pinned if ``pin`` and the pinned allocation succeeds, else pageable (with a warning)."""
-    if pin:
-        try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
-        except RuntimeError as error:  # a 1 MiB probe can pass where a many-GiB allocation fails (WSL, containers)
-            rank_zero_warn(f"SlideFSDP: pinning {numel * torch.empty(0, dtype=dtype).element_size() / 2**30:.2f} GiB "
-                           f"failed ({str(error).strip().splitlines()[0]}); this buffer uses pageable memory")
-    return torch.empty(numel, dtype=dtype)
+def host_region(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, bool]:
+    """One host allocation of exactly ``numel`` elements and whether it is pinned.
+
+    Pinned in place (``cudaHostRegister``) rather than by torch's pinned allocator, which rounds each
+    allocation up to a power of two (a 436 MB block would take 512 MiB); pageable if pinning fails.
+    """
+    tensor = torch.empty(numel, dtype=dtype)
+    return tensor, register_host_memory(tensor, numel * tensor.element_size()) if pin and numel else False
 
 
 def can_pin(device: torch.device, wanted: bool) -> bool:
@@ -70,7 +70,7 @@ def register_host_memory(tensor: torch.Tensor, nbytes: int) -> bool:
     code = int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE))
     if code == 0:
         return True
-    clear = getattr(cudart, "cudaGetLastError", None)
+    clear = getattr(cudart, "cudaGetLastError", None) or loaded_cuda_get_last_error()
     if clear is None:
         raise RuntimeError(f"SlideFSDP: cudaHostRegister of {nbytes / 2**30:.1f} GiB failed (CUDA error {code}); "
                            "set --trainer.strategy.init_args.pin_memory false to use pageable host memory")
@@ -78,6 +78,44 @@ def register_host_memory(tensor: torch.Tensor, nbytes: int) -> bool:
     rank_zero_warn(f"SlideFSDP: cudaHostRegister of {nbytes / 2**30:.1f} GiB failed (CUDA error {code}); "
                    "host-to-device copies from it use pageable memory")
     return False
+
+
+def loaded_cuda_get_last_error() -> Callable[[], int] | None:
+    """``cudaGetLastError`` of the CUDA runtime this process has loaded (torch's binding lacks it), or None."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    paths = sorted({line.split()[-1] for line in maps.splitlines() if "/libcudart" in line})
+    if not paths:
+        return None
+    try:
+        return ctypes.CDLL(paths[0]).cudaGetLastError
+    except (OSError, AttributeError):
+        return None
+
+
+def unregister_host_memory(tensor: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+def shared_memory_free() -> int:
+    """Free bytes in /dev/shm (0 where there is none)."""
+    try:
+        stats = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return stats.f_bavail * stats.f_frsize
+
+
+def check_shared_memory(nbytes: int) -> None:
+    """Raise, in one line with the fix, unless /dev/shm has ``nbytes`` free for the node's shared staging copy."""
+    free = shared_memory_free()
+    if free < nbytes:
+        raise ValueError(
+            f"SlideFSDP needs {nbytes / 2**30:.1f} GiB in {SHM_DIR} for the node's shared staging copy, "
+            f"{free / 2**30:.1f} GiB are free; enlarge it (docker run --shm-size) or set param_transfer: shard"
+        )
 
 
 class SharedStaging:
@@ -92,12 +130,8 @@ class SharedStaging:
         path = SHM_DIR / f"lit_fsdp_slide_{node_tag}"
         # Every rank checks, before the barrier: a rank that waited there for local rank 0's refusal would wait
         # until the collective timeout. The file is sparse until written, so the ranks see the same free space.
-        free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
-        if free < nbytes:
-            raise RuntimeError(
-                f"SlideFSDP needs {nbytes / 2**30:.1f} GiB in {SHM_DIR} for the node's shared staging copy, "
-                f"{free / 2**30:.1f} GiB are free; enlarge it (docker run --shm-size) or set param_transfer: shard"
-            )
+        # The preflight has checked it already, before launch; this catches a /dev/shm that filled up since.
+        check_shared_memory(nbytes)
         if local_rank == 0:
             with open(path, "wb") as f:
                 f.truncate(nbytes)
@@ -110,19 +144,22 @@ class SharedStaging:
 
     def close(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            unregister_host_memory(self.tensor)
             self.pinned = False
 
 
 class BufferRing:
-    """A fixed number of equal host buffers handed out and given back; ``acquire`` waits for a free one."""
+    """A fixed number of equal host buffers (one exact-size region) handed out and given back; ``acquire`` waits for a free one."""
 
     POLL_S = 0.5  # how often a waiting ``acquire`` looks for a failure of the side that gives buffers back
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool):
+        self.region, self.pinned = host_region(count * numel, dtype, pin)
+        buffers = self.region.split(numel) if numel else [self.region] * count
+        self._by_address = {buffer.data_ptr(): buffer for buffer in buffers}
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
-        for _ in range(count):
-            self._free.put(pinned_empty(numel, dtype, pin))
+        for buffer in buffers:
+            self._free.put(buffer)
 
     def acquire(self, numel: int, failure: Callable[[], BaseException | None] = lambda: None) -> torch.Tensor:
         """A free buffer's first ``numel`` elements; while none is free, raises ``failure()`` once it is not None
@@ -136,8 +173,8 @@ class BufferRing:
                     raise error
 
     def release(self, buffer: torch.Tensor) -> None:
-        base = buffer if buffer._base is None else buffer._base
-        self._free.put(base)
+        """Give back a buffer ``acquire`` handed out (or any view that starts where it does)."""
+        self._free.put(self._by_address[buffer.data_ptr()])
 
 
 class HostState:
@@ -167,14 +204,13 @@ class HostState:
         self.full_staging = full_staging
         self.shared = shared
         self.master = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in layouts]
-        offset, self.staging = 0, []
-        for layout in layouts:
-            numel = layout.full_numel if full_staging else layout.shard_numel
-            if shared is not None:
-                self.staging.append(shared.tensor[offset : offset + numel])
-                offset += numel
-            else:
-                self.staging.append(pinned_empty(numel, compute_dtype, pin))
+        sizes = [layout.full_numel if full_staging else layout.shard_numel for layout in layouts]
+        if shared is not None:
+            region, self.staging_pinned = shared.tensor, False  # SharedStaging pins and unpins it
+        else:
+            region, self.staging_pinned = host_region(sum(sizes), compute_dtype, pin)
+        self.staging_region = region
+        self.staging = list(region[: sum(sizes)].split(sizes))
         self.gradients = [torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=False) for layout in layouts] if keep_gradients else None
         largest = max(layout.shard_numel * (layout.shards if incoming_full else 1) for layout in layouts)
         self.incoming = BufferRing(ring_size, largest, reduce_dtype, pin)
@@ -194,16 +230,27 @@ class HostState:
         for target, rows in zip(targets, master_rows):
             target.copy_(rows)
 
-    def nbytes(self, count_shared: bool) -> int:
-        """Host bytes of master shards, kept gradients and staging (a shared staging copy only if ``count_shared``)."""
-        tensors = [*self.master, *(self.gradients or [])]
-        if self.shared is None or count_shared:
-            tensors += self.staging
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def buffer_bytes(self, count_shared: bool) -> dict[str, int]:
+        """This rank's host bytes per buffer, named as ``offload.host_memory.host_buffers`` names them (a shared
+        staging copy only if ``count_shared``)."""
+        def nbytes(tensors: list[torch.Tensor] | None) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors or [])
+
+        return {
+            "master": nbytes(self.master),
+            "staging": nbytes(self.staging) if self.shared is None or count_shared else 0,
+            "kept_gradients": nbytes(self.gradients),
+            "gradient_ring": nbytes([self.incoming.region]),
+            "scratch": nbytes([self.scratch] if self.scratch is not None else []),
+        }
 
     def close(self) -> None:
         if self.shared is not None:
             self.shared.close()
+        for region, pinned in ((self.staging_region, self.staging_pinned), (self.incoming.region, self.incoming.pinned)):
+            if pinned:
+                unregister_host_memory(region)
+        self.staging_pinned = self.incoming.pinned = False
 
 
 def node_tag(node_rank: int) -> str:

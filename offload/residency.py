@@ -106,6 +106,7 @@ class DeviceWindow:
                 rank = dist.get_rank(self.shard_group)
                 mine = gathered[rank * layout.shard_numel : (rank + 1) * layout.shard_numel]
                 self.transfers.h2d(mine, staging)
+                self.transfers.order_after_copies()
                 all_gather_flat(gathered, mine, group=self.shard_group)
                 layout.gather_to_full(gathered, target)
             slot.ready = self.transfers.record()

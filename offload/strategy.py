@@ -34,20 +34,14 @@ from lit_fsdp.strategy import CausalLMStrategy, DType
 from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, SlideEngine
 from offload.gradients import GradientPipeline
-from offload.host import HostState, SharedStaging, can_pin, node_tag
+from offload.host import HostState, SharedStaging, can_pin, check_shared_memory, node_tag
+from offload.host_memory import (HostSetup, UnitSize, describe, host_buffers, offloaded_activation_bytes,
+                                  with_runtime)
 from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
 from offload.transfers import Transfers
 
 _GIB = 2**30
-
-
-def host_bytes_per_parameter(compute_dtype: torch.dtype, keep_gradients: bool) -> dict[str, int]:
-    """Host bytes per parameter and per node: fp32 master, AdamW moments, staging copy, kept gradients."""
-    parts = {"master": 4, "adam_moments": 8, "staging": torch.empty(0, dtype=compute_dtype).element_size()}
-    if keep_gradients:
-        parts["kept_gradients"] = 4
-    return parts
 
 
 def available_host_bytes() -> int | None:
@@ -161,32 +155,65 @@ class SlideFSDPStrategy(CausalLMStrategy):
         """Accumulation and deferred updates need each unit's gradient kept on the host until the optimizer step."""
         return trainer.accumulate_grad_batches > 1 or self.defers_updates(trainer)
 
-    def preflight(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        super().preflight(trainer, module)
+    def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
+        super().preflight(trainer, module, datamodule)
         if self.param_transfer == "shard" and trainer.num_devices < 2:
             raise ValueError(
                 "SlideFSDP param_transfer: shard all-gathers each block across the devices of a node, but there is "
                 "one process per node; use param_transfer: full or more --trainer.devices"
             )
-        self.check_host_memory(trainer, module)
+        self.check_host_memory(trainer, module, datamodule)
 
-    def check_host_memory(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        """Fail before training if the node's host state cannot fit in the memory available now."""
+    def host_setup(self, trainer: pl.Trainer, activation_bytes: int = 0, compute: torch.dtype | None = None) -> HostSetup:
+        """What decides this run's host buffers (``offload.host_memory``); ``compute`` overrides the resolved dtype."""
+        compute = compute or self.resolve_dtype(self.param_dtype)
+        return HostSetup(
+            compute_dtype=compute, reduce_dtype=self.resolve_dtype(self.reduce_dtype, fallback=compute),
+            processes=trainer.num_devices, full_staging=self.param_transfer == "full",
+            keep_gradients=self.keeps_gradients(trainer), incoming_full=self.grad_sync == "cpu_reduce",
+            ring_size=max(2, self.window), offloaded_activation_bytes=activation_bytes,
+        )
+
+    def unit_sizes(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
+        """Every unit's size (blocks, then the root) with ``shards`` ranks per node, from the model on the meta device."""
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            network = AutoModelForCausalLM.from_config(module.hf_config())
-        parameters = sum(p.numel() for p in network.parameters())
-        parts = host_bytes_per_parameter(self.resolve_dtype(self.param_dtype), self.keeps_gradients(trainer))
-        needed = parameters * sum(parts.values())
-        available = available_host_bytes()
+            network = AutoModelForCausalLM.from_config(module.hf_config(datamodule))
+        block_layouts, root_layout = build_layouts(network, find_blocks(network, self.block_class), shards, 0)
+        return [UnitSize(layout.full_numel, layout.shard_numel) for layout in [*block_layouts, root_layout]]
+
+    def host_buffer_estimate(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None,
+                             compute: torch.dtype | None = None) -> dict[str, int]:
+        """The node's host bytes per buffer for this run (``offload.host_memory``); offloaded activations need
+        ``datamodule`` (its batch size and sequence length). ``compute`` overrides the compute dtype the strategy
+        resolves (``estimate`` on a machine without the run's GPU)."""
+        compute = compute or self.resolve_dtype(self.param_dtype)
+        units = self.unit_sizes(module, datamodule, trainer.num_devices)
+        activations = 0
+        if self.activation_offload == "cpu" and datamodule is not None:
+            activations = offloaded_activation_bytes(
+                len(units) - 1, self.activation_checkpointing, datamodule.batch_size, datamodule.seq_len,
+                module.hf_config(datamodule).hidden_size, compute)
+        return host_buffers(units, self.host_setup(trainer, activations, compute))
+
+    def check_host_memory(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None,
+                          available: int | None = None) -> dict[str, int]:
+        """Fail before training if the node's host buffers and runtime cannot fit in ``available`` bytes (default:
+        the memory available now); returns what it counted, per buffer."""
+        parts = with_runtime(self.host_buffer_estimate(trainer, module, datamodule), trainer.num_devices)
+        needed = sum(parts.values())
+        available = available_host_bytes() if available is None else available
         if available is not None and needed > available:
-            detail = ", ".join(f"{name} {value}" for name, value in parts.items())
+            billions = (parts["adam_moments"] / 8) / 1e9
             raise ValueError(
-                f"SlideFSDP needs about {needed / _GIB:.1f} GiB of host memory per node for {parameters / 1e9:.2f}B "
-                f"parameters ({sum(parts.values())} bytes each: {detail}) but {available / _GIB:.1f} GiB are available; "
-                "use a smaller model or more nodes (gradient clipping and accumulation cost 4 bytes per parameter)"
+                f"SlideFSDP needs {needed / _GIB:.1f} GiB of host memory per node for {billions:.2f}B parameters "
+                f"({describe(parts)} GiB) but {available / _GIB:.1f} GiB are available; use a smaller model or more "
+                "nodes, or drop what keeps gradients (clipping, accumulation, on_nonfinite: skip_step)"
             )
+        if self.param_transfer == "full" and trainer.num_devices > 1:  # the node's staging copy lives in /dev/shm
+            check_shared_memory(parts["staging"])
+        return parts
 
     # --- processes -------------------------------------------------------------------------------
 
@@ -276,11 +303,18 @@ class SlideFSDPStrategy(CausalLMStrategy):
         assert self.host is not None
         return sum(place.numel for layout in self.host.layouts for place in layout.places)
 
+    def host_buffer_bytes(self) -> dict[str, int]:
+        """This rank's host bytes per buffer as allocated (``offload.host_memory`` names; a shared staging copy is
+        counted by local rank 0; offloaded activations once the first step has made them)."""
+        assert self.host is not None and self.engine is not None
+        parts = self.host.buffer_bytes(count_shared=self.cpu_mesh["shard"].get_local_rank() == 0)
+        parts["adam_moments"] = self.adam.nbytes() if self.adam is not None else 0
+        parts["activations"] = sum(t.numel() * t.element_size() for t in self.engine.activations.host.values())
+        return parts
+
     def host_state_bytes(self) -> int:
-        """This rank's host state: master rows, AdamW moments, kept gradients, staging (shared: counted by local rank 0)."""
-        assert self.host is not None
-        adam = self.adam.nbytes() if self.adam is not None else 0
-        return self.host.nbytes(count_shared=self.cpu_mesh["shard"].get_local_rank() == 0) + adam
+        """This rank's host buffers in all (``host_buffer_bytes``)."""
+        return sum(self.host_buffer_bytes().values())
 
     def refresh_staging(self) -> None:
         """Rewrite every staging copy from the master rows (after init or a checkpoint load)."""

@@ -7,22 +7,20 @@ import types
 
 import pytest
 import torch
+import yaml
 
+from lit_fsdp.model import CausalLM
 from offload import cpu_adam, host
+from offload.host_memory import GIB
+from offload.strategy import SlideFSDPStrategy
+from tests.helpers import REPO
 
 
-def test_a_pinned_allocation_that_fails_falls_back_to_pageable_memory(monkeypatch):
-    real_empty = torch.empty
-
-    def empty(*args, pin_memory=False, **kwargs):
-        if pin_memory:
-            raise RuntimeError("CUDA error: out of memory\nmore")
-        return real_empty(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "empty", empty)
-    with pytest.warns(UserWarning, match="pinning 0.00 GiB failed .CUDA error: out of memory.; this buffer uses pageable"):
-        buffer = host.pinned_empty(1000, torch.float32, pin=True)
-    assert buffer.numel() == 1000 and not buffer.is_pinned()
+def test_a_region_whose_registration_fails_stays_pageable_and_exactly_sized(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake_cudart(2, True))
+    with pytest.warns(UserWarning, match="host-to-device copies from it use pageable memory"):
+        region, pinned = host.host_region(1000, torch.float32, pin=True)
+    assert region.numel() == 1000 and not pinned and not region.is_pinned()
 
 
 def fake_cudart(register_code: int, with_get_last_error: bool) -> types.SimpleNamespace:
@@ -117,3 +115,49 @@ def test_a_block_reloaded_into_another_slot_than_its_forward_used_fails_its_back
     with pytest.raises(RuntimeError, match="block 0 was reloaded into device slot 1 for its backward, but its forward "
                                            "saved views of slot 0"):
         window.check_same_slot(0)
+
+
+def _llama_8b_offload():
+    """configs/llama_8b_offload.yaml's strategy, model and data, as the preflight sees them on one GPU (no GPU needed)."""
+    config = yaml.safe_load((REPO / "configs" / "llama_8b_offload.yaml").read_text())
+    strategy = SlideFSDPStrategy(**config["trainer"]["strategy"]["init_args"])
+    strategy.parallel_devices = [torch.device("cuda", 0)]
+    trainer = types.SimpleNamespace(num_devices=1, num_nodes=1, gradient_clip_val=None, accumulate_grad_batches=1)
+    data = types.SimpleNamespace(vocab_size=128_256, tokenizer=None, **{
+        key: config["data"]["init_args"][key] for key in ("batch_size", "seq_len")})
+    return strategy, trainer, CausalLM(**config["model"]), data
+
+
+def test_the_8b_offload_config_fits_a_128_gib_host_with_8_gib_to_spare_and_is_refused_on_96():
+    strategy, trainer, module, data = _llama_8b_offload()
+    parts = strategy.check_host_memory(trainer, module, data, available=128 * GIB)
+    assert round(parts["master"] / GIB, 1) == 29.9 and round(parts["adam_moments"] / GIB, 1) == 59.8
+    assert round(parts["staging"] / GIB, 1) == 15.0  # bfloat16, one exact-size region: no power-of-two rounding
+    assert parts["gradient_ring"] == 2 * 1_050_677_248 * 4  # window 2 x the root's float32 gradient
+    assert parts["activations"] == 32 * 8 * 2048 * 4096 * 2  # every block's checkpointed input, bfloat16
+    assert parts["kept_gradients"] == parts["scratch"] == 0  # no clipping, no accumulation, float32 reduce
+    assert 128 * GIB - sum(parts.values()) >= 8 * GIB
+    with pytest.raises(ValueError, match=r"^SlideFSDP needs 119.5 GiB of host memory per node for 8.03B parameters "
+                                         r"\(adam_moments 59.8, master 29.9, .*\) but 96.0 GiB are available; use"):
+        strategy.check_host_memory(trainer, module, data, available=96 * GIB)
+
+
+def test_a_ring_hands_out_views_of_one_exact_region_and_takes_them_back():
+    ring = host.BufferRing(3, 10, torch.float32, pin=False)
+    assert ring.region.numel() == 30  # one allocation of exactly count x numel
+    taken = [ring.acquire(7) for _ in range(3)]
+    assert [t.numel() for t in taken] == [7, 7, 7] and len({t.data_ptr() for t in taken}) == 3
+    ring.release(taken[1])
+    again = ring.acquire(10)
+    assert again.data_ptr() == taken[1].data_ptr() and again.numel() == 10
+
+
+def test_a_dev_shm_too_small_for_the_shared_staging_copy_is_refused_before_launch(monkeypatch):
+    strategy, trainer, module, data = _llama_8b_offload()
+    trainer.num_devices = 2  # param_transfer: full with 2 ranks: the node's staging copy is one file in /dev/shm
+    monkeypatch.setattr(host, "shared_memory_free", lambda: 2 * GIB)
+    with pytest.raises(ValueError, match=r"^SlideFSDP needs 15.0 GiB in /dev/shm for the node's shared staging copy, "
+                                         r"2.0 GiB are free; enlarge it \(docker run --shm-size\) or set param_transfer"):
+        strategy.check_host_memory(trainer, module, data, available=512 * GIB)
+    trainer.num_devices = 1  # one process keeps its staging copy in private memory
+    strategy.check_host_memory(trainer, module, data, available=512 * GIB)

@@ -46,6 +46,14 @@ def test_hybrid_shards_within_a_replica_and_bfloat16_halves_the_gathered_weights
     assert e.logits == 128 * VOCAB * (2 + 8)
 
 
+def test_the_chunked_loss_counts_one_chunk_of_logits_and_the_gradients_it_keeps():
+    run = RunShape(world_size=2, nodes=1, accelerator="cpu", seq_len=128, batch_per_process=8, clipping=False,
+                   loss_chunk_tokens=64)
+    e = estimate(Candidate(micro_batch=4), TINY, run)
+    assert e.logits == 64 * VOCAB * 8 + 4 * 128 * HIDDEN * 4 + VOCAB * HIDDEN * 4
+    assert e.logits < estimate(Candidate(micro_batch=4), TINY, run_shape()).logits
+
+
 def test_checkpointing_keeps_block_inputs_and_one_recompute():
     m, s, p = 2, 128, 4
     full = m * s * (8 * HIDDEN + 2 * INNER) * p
@@ -60,7 +68,7 @@ def test_cpu_offload_moves_the_states_to_the_host():
     assert e.model_states == 0 and e.host_per_node == 16 * TINY.parameters // 2 * 2 and e.host_share == 0
 
 
-def test_slide_fsdp_keeps_a_window_on_the_device_and_14_to_20_bytes_per_parameter_on_the_host():
+def test_slide_fsdp_keeps_a_window_on_the_device_and_14_to_20_bytes_per_parameter_and_a_ring_on_the_host():
     m, s = 2, 128
     slide = Candidate(strategy="slide_fsdp", window=2, activation_checkpointing=1, activation_offload="cpu", micro_batch=m)
     gpu = estimate(slide, TINY, run_shape(accelerator="cuda", batch=m))  # bfloat16, no accumulation, no clipping
@@ -68,11 +76,12 @@ def test_slide_fsdp_keeps_a_window_on_the_device_and_14_to_20_bytes_per_paramete
     assert gpu.working_set == (2 * BLOCK + ROOT) * 2 + (ROOT + 2 * BLOCK) * 4
     assert gpu.activations == m * s * (8 * HIDDEN + 2 * INNER) * 2  # inputs on the host; one block recomputed
     offloaded_inputs = LAYERS * m * s * HIDDEN * 2 * 2  # per process, 2 processes
-    assert gpu.host_per_node == TINY.parameters * (4 + 8 + 2) + offloaded_inputs
+    ring = 2 * 2 * (ROOT // 2) * 4  # 2 processes x 2 buffers x the largest unit's shard (the root's), float32
+    assert gpu.host_per_node == TINY.parameters * (4 + 8 + 2) + ring + offloaded_inputs
     clipped = estimate(slide, TINY, run_shape(accelerator="cuda", batch=m, clipping=True))
     assert clipped.host_per_node - gpu.host_per_node == 4 * TINY.parameters  # kept gradients
     cpu = estimate(slide, TINY, run_shape(accelerator="cpu", batch=4))  # float32 staging, accumulation keeps gradients
-    assert cpu.host_per_node == TINY.parameters * (4 + 8 + 4 + 4) + LAYERS * m * s * HIDDEN * 4 * 2
+    assert cpu.host_per_node == TINY.parameters * (4 + 8 + 4 + 4) + ring + LAYERS * m * s * HIDDEN * 4 * 2
     assert cpu.host_share == cpu.host_per_node // 2  # on a CPU the device is the host
 
 
@@ -95,7 +104,7 @@ def test_the_filter_rejects_offloaded_state_that_does_not_fit_in_host_memory():
     hardware = Hardware(accelerator="cpu", device_memory_gb=16.0, host_memory_gb=0.002)
     memory = MemoryFilter(TINY, run_shape(clipping=True), hardware, margin=0.1)
     slide = Candidate(strategy="slide_fsdp", micro_batch=8)
-    needed = TINY.parameters * 20 / GIB
+    needed = (TINY.parameters * 20 + 2 * 2 * (ROOT // 2) * 4) / GIB  # 20 B/param, the float32 gradient ring
     assert math.isclose(memory.estimate(slide).host_per_node / GIB, needed, rel_tol=1e-9)
     assert "of host memory per node for offloaded state" in memory.rejection(slide)
     assert memory.rejection(Candidate(micro_batch=8)) is None

@@ -127,12 +127,13 @@ def default_candidate(trainer: pl.Trainer, data: Any) -> Candidate:
     return Candidate(strategy=name, micro_batch=data.batch_size).with_knobs(knobs)
 
 
-def run_shape(trainer: pl.Trainer, data: Any, hardware: Hardware) -> RunShape:
+def run_shape(trainer: pl.Trainer, module: Any, data: Any, hardware: Hardware) -> RunShape:
     """What the configs fix, checked against the hardware."""
     accelerator = trainer.strategy.root_device.type
     run = RunShape(world_size=trainer.num_nodes * trainer.num_devices, nodes=trainer.num_nodes, accelerator=accelerator,
                    seq_len=data.seq_len, batch_per_process=data.batch_size * trainer.accumulate_grad_batches,
-                   clipping=bool(trainer.gradient_clip_val))
+                   clipping=bool(trainer.gradient_clip_val),
+                   loss_chunk_tokens=getattr(module.hparams, "loss_chunk_tokens", 0))
     if accelerator != hardware.accelerator:
         raise ValueError(f"the configs train on {accelerator} but the hardware is {hardware.accelerator}; "
                          "fix --trainer.accelerator or the hardware file's accelerator")
@@ -195,7 +196,7 @@ def main(argv: Sequence[str]) -> None:
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     base = strategy_config(cli.config)
     base_compression = (base.get("init_args") or {}).get("compression")
-    run = run_shape(trainer, data, hardware)
+    run = run_shape(trainer, module, data, hardware)
     default = default_candidate(trainer, data)
     data.setup("fit")  # tokenizer and token cache built once, here: no trial's deadline pays for them
     allowed = options.space.resolve(run)

@@ -43,6 +43,10 @@ class Hardware:
     """bandwidth between two devices of a node in GB/s (null: unknown)"""
     inter_node_gbps: float | None = None
     """bandwidth between two nodes in GB/s (null: unknown)"""
+    pcie_gbps: float | None = None
+    """host-device copy bandwidth of one device per direction, pinned memory, in GB/s (null: unknown)"""
+    host_memory_gbps: float | None = None
+    """host memory bandwidth the CPU updates of one node reach, in GB/s (null: unknown)"""
 
     def memory_per_process_gb(self, processes_per_node: int) -> float:
         """The device memory one process has: a device's, or its share of one when processes outnumber devices."""
@@ -60,7 +64,8 @@ class Hardware:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{where}: {name} must be an integer >= 1, got {value!r}")
-        for name in ("device_memory_gb", "host_memory_gb", "intra_node_gbps", "inter_node_gbps"):
+        for name in ("device_memory_gb", "host_memory_gb", "intra_node_gbps", "inter_node_gbps", "pcie_gbps",
+                     "host_memory_gbps"):
             value = getattr(self, name)
             if value is None and name.endswith("gbps"):
                 continue

@@ -26,8 +26,8 @@ r = 4 bytes per reduced gradient value):
 - **overhead**: a constant calibrated from one measured trial (CUDA context, allocator caches; on a
   CPU the whole process: interpreter, libraries, data): measured peak minus the analytic sum.
 
-Per node on the host: SlideFSDP's 14-18 bytes per parameter (``offload.strategy.host_bytes_per_parameter``)
-and offloaded activations, or FSDP2's 16 x P / shard group per process with ``cpu_offload``. On a CPU
+Per node on the host: SlideFSDP's buffers as ``offload.host_memory`` counts them for its preflight (14-18
+bytes per parameter, the gradient ring and offloaded activations; SlideFSDP's default float32 reduce), or FSDP2's 16 x P / shard group per process with ``cpu_offload``. On a CPU
 the device is the host, so a process's estimate also carries its share of the node's host bytes.
 """
 
@@ -41,11 +41,12 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from lit_fsdp.flops import matmul_shape
+from lit_fsdp.loss import loss_bytes
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.strategy import ADAM_STATE_BYTES, resolve_dtype
 from lit_fsdp.tune.hardware import Hardware
 from lit_fsdp.tune.space import Candidate, RunShape
-from offload.strategy import host_bytes_per_parameter
+from offload.host_memory import HostSetup, UnitSize, host_buffers
 
 GIB = 2**30
 REDUCE_BYTES = 4
@@ -159,9 +160,15 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
     if candidate.strategy == "slide_fsdp":
         states = 0
         working = (candidate.window * model.block_parameters + root) * p + (root + 2 * model.block_parameters) * REDUCE_BYTES
-        keep = run.clipping or run.batch_per_process > candidate.micro_batch
-        per_parameter = sum(host_bytes_per_parameter(dtype, keep).values())
-        host = model.parameters * per_parameter + offloaded_activations * run.processes_per_node
+        processes = run.processes_per_node
+        units = [UnitSize.of(model.block_parameters, processes)] * model.layers + [UnitSize.of(root, processes)]
+        setup = HostSetup(
+            compute_dtype=dtype, reduce_dtype=torch.float32, processes=processes,
+            full_staging=candidate.param_transfer == "full",
+            keep_gradients=run.clipping or run.batch_per_process > candidate.micro_batch,
+            incoming_full=candidate.grad_sync == "cpu_reduce", ring_size=max(2, candidate.window),
+            offloaded_activation_bytes=offloaded_activations)
+        host = sum(host_buffers(units, setup).values())
     else:
         states = ADAM_STATE_BYTES * model.parameters // shard_group(candidate, run.world_size)
         unit = candidate.blocks_per_group * model.block_parameters
@@ -172,7 +179,7 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
         working = (gathered + root) * p + (unit + root) * (p + REDUCE_BYTES)
         host = states * run.processes_per_node if candidate.cpu_offload else 0
         states = 0 if candidate.cpu_offload else states
-    logits = candidate.micro_batch * run.seq_len * model.vocab * (p + 8)
+    logits = loss_bytes(candidate.micro_batch * run.seq_len, model.vocab, model.hidden, p, run.loss_chunk_tokens)
     host_share = host // run.processes_per_node if run.accelerator == "cpu" else 0
     compression = compression_bytes(candidate, model, run, base_compression)
     return MemoryEstimate(states, working, activations, logits, overhead, host, host_share, compression)

@@ -40,6 +40,7 @@ class RunShape:
     seq_len: int
     batch_per_process: int  # micro-batch x gradient accumulation
     clipping: bool
+    loss_chunk_tokens: int = 0  # the model's chunked loss (lit_fsdp.loss); 0: the plain loss
 
     @property
     def processes_per_node(self) -> int:

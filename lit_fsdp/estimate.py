@@ -1,0 +1,283 @@
+"""``python -m lit_fsdp estimate``: what one optimizer step of a run needs, and how fast it can go, before it runs.
+
+    python -m lit_fsdp estimate --config configs/quickstart.yaml --config configs/llama_8b_offload.yaml \\
+        --tune.hardware configs/hardware/h100_128g.json [--json]
+
+It takes ``fit``'s configs and arguments and ``--tune.hardware`` (default: this machine, detected), builds the
+model on the meta device and no Trainer (the hardware need not be here), and prints, per process and optimizer
+step: host memory per node by buffer, the device peak by component, host-device bytes, the CPU update's bytes
+and time, network bytes per collective, compute time at the device's peak, and the step time and MFU these
+bound. The memory figures are the preflight's and the tuner's (``offload.host_memory``, ``lit_fsdp.tune.memory``);
+times are bytes or FLOPs over the hardware file's rates, each resource at its peak, overlapped as the strategy
+overlaps them: a bound, not a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+
+from lit_fsdp.cli import LitFsdpCLI, run as parse_fit
+from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
+from lit_fsdp.tune.command import default_candidate, parse_options, run_shape, split_arguments
+from lit_fsdp.tune.hardware import Hardware, detect, load
+from lit_fsdp.tune.memory import GIB, ModelShape, compute_dtype, estimate as device_estimate
+from lit_fsdp.tune.space import Candidate
+from offload.host_memory import RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, with_runtime
+
+#: Host bytes the current SlideFSDP update moves per parameter, besides the gradient reads (``cpu_update_bytes``):
+#: AdamW's fp32 weight and two moments read and written, the master read again for the staging copy.
+ADAMW_STATE_BYTES = 4 * 3 * 2 + 4
+
+
+class _ConfigOnly(LitFsdpCLI):
+    """The fit command's parser and classes (model, data, strategy) without a Trainer: no device is needed."""
+
+    def instantiate_trainer(self, **kwargs: Any) -> None:
+        return None
+
+
+@dataclass
+class RunTrainer:
+    """The Trainer fields the accounting reads, from the configs (``lit_fsdp.tune`` and the strategies read these)."""
+
+    num_nodes: int
+    num_devices: int
+    accumulate_grad_batches: int
+    gradient_clip_val: float | None
+    strategy: Any
+
+
+def _devices(given: Any, hardware: Hardware) -> int:
+    if isinstance(given, (list, tuple)):
+        return len(given)
+    if given in (None, "auto", -1, "-1"):
+        return hardware.devices_per_node if hardware.accelerator == "cuda" else 1
+    return int(given)
+
+
+def parse(fit_args: Sequence[str], hardware: Hardware) -> tuple[RunTrainer, Any, Any]:
+    """(trainer fields, LightningModule, DataModule) of ``fit_args``, the strategy placed on ``hardware``'s devices."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli = parse_fit(list(fit_args), run=False, cli_class=_ConfigOnly)
+    config = cli._get(cli.config_init, "trainer")
+    strategy = config.strategy
+    if isinstance(strategy, str) or strategy is None:
+        raise ValueError(f"--trainer.strategy is {strategy!r}; estimate needs lit_fsdp.strategy.FSDP2Strategy or "
+                         "offload.SlideFSDPStrategy (a class_path with init_args)")
+    devices = _devices(config.devices, hardware)
+    strategy.parallel_devices = [torch.device(hardware.accelerator, index) for index in range(devices)]
+    trainer = RunTrainer(num_nodes=config.num_nodes or 1, num_devices=devices,
+                         accumulate_grad_batches=config.accumulate_grad_batches or 1,
+                         gradient_clip_val=config.gradient_clip_val, strategy=strategy)
+    return trainer, cli.model, cli.datamodule
+
+
+def _ring(nbytes: float, ranks: int) -> float:
+    """Bytes one rank sends in a ring all-gather or reduce-scatter whose full buffer is ``nbytes``."""
+    return nbytes * (ranks - 1) / ranks if ranks > 1 else 0.0
+
+
+def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, seq_len: int, hidden: int,
+                  compute: torch.dtype) -> dict[str, float]:
+    """SlideFSDP's host-device bytes per process per optimizer step and its device collectives' bytes.
+
+    Per micro-batch every block is loaded for the forward and again for the backward, less the last
+    ``window - 1`` blocks, which stay; the root is loaded once per optimizer step (the step changes it).
+    Every unit's reduced gradient goes to the host each micro-batch; checkpointed inputs go there and back.
+    """
+    strategy, steps = trainer.strategy, trainer.accumulate_grad_batches
+    p = compute.itemsize
+    reduce = strategy.resolve_dtype(strategy.reduce_dtype, fallback=compute).itemsize
+    full = strategy.param_transfer == "full"
+    shards = trainer.num_devices
+    blocks, root = units[:-1], units[-1]
+    load = (lambda unit: unit.full_numel * p) if full else (lambda unit: unit.shard_numel * p)
+    kept = max(0, strategy.window - 1)
+    per_micro_batch = sum(map(load, blocks)) + sum(map(load, blocks[: len(blocks) - kept]))
+    every = strategy.activation_checkpointing
+    inputs = 0
+    if strategy.activation_offload == "cpu" and every:
+        inputs = math.ceil(len(blocks) / every) * micro_batch * seq_len * hidden * p
+    incoming = sum(unit.shard_numel * (shards if strategy.grad_sync == "cpu_reduce" else 1) for unit in units)
+    traffic = {
+        "h2d": load(root) + steps * (per_micro_batch + inputs),
+        "d2h": steps * (incoming * reduce + inputs),
+        "reduce_scatter": 0.0, "all_gather": 0.0, "all_reduce": 0.0,
+    }
+    whole = sum(unit.shard_numel for unit in units) * shards
+    if strategy.grad_sync == "gpu_reduce":
+        traffic["reduce_scatter"] = steps * _ring(whole * reduce, shards)
+    else:  # the host all-reduces whole gradients with gloo
+        traffic["all_reduce"] = steps * 2 * _ring(whole * reduce, shards)
+    if not full:
+        loads = len(blocks) * 2 - min(kept, len(blocks))
+        traffic["all_gather"] = steps * loads * _ring(blocks[0].shard_numel * shards * p, shards)
+    if trainer.num_nodes > 1:
+        traffic["all_reduce"] += steps * 2 * _ring(sum(u.shard_numel for u in units) * reduce, trainer.num_nodes)
+    return traffic
+
+
+def fsdp2_traffic(trainer: RunTrainer, candidate: Candidate, parameters: int, compute: torch.dtype) -> dict[str, float]:
+    """FSDP2's collectives' bytes (uncompressed) and, with ``cpu_offload``, its host-device bytes, per process per step."""
+    strategy, steps = trainer.strategy, trainer.accumulate_grad_batches
+    world = trainer.num_nodes * trainer.num_devices
+    replicas = {"NO_SHARD": world, "HYBRID_SHARD": candidate.replicate_size or trainer.num_nodes}.get(candidate.sharding, 1)
+    shard = world // replicas
+    p = compute.itemsize
+    reduce = strategy.resolve_dtype(strategy.reduce_dtype, fallback=compute).itemsize
+    gathers = 2 if candidate.sharding in ("FULL_SHARD", "HYBRID_SHARD") else 1  # backward gathers again after a reshard
+    traffic = {
+        "all_gather": steps * gathers * _ring(parameters * p, shard),
+        "reduce_scatter": steps * _ring(parameters * reduce, shard),
+        "all_reduce": steps * 2 * _ring(parameters // shard * reduce, replicas),
+        "h2d": 0.0, "d2h": 0.0,
+    }
+    if candidate.cpu_offload:  # the fp32 shards come to the device for each gather; gradients go back
+        traffic["h2d"] = steps * gathers * parameters // shard * 4
+        traffic["d2h"] = steps * parameters // shard * 4
+    return traffic
+
+
+def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype) -> int:
+    """Host bytes SlideFSDP's CPU updates read and write per node per optimizer step, as implemented today.
+
+    Per parameter: AdamW's fp32 weight and moments read and written and the staging copy rewritten from the
+    master (``ADAMW_STATE_BYTES`` + the compute dtype), and the gradient: read once for the non-finite check
+    and once by AdamW, converted to fp32 first when it comes in another dtype, or accumulated into the kept
+    fp32 buffer each micro-batch when gradients are kept.
+    """
+    strategy = trainer.strategy
+    reduce = strategy.resolve_dtype(strategy.reduce_dtype, fallback=compute).itemsize
+    per = ADAMW_STATE_BYTES + compute.itemsize
+    if strategy.keeps_gradients(trainer):
+        per += trainer.accumulate_grad_batches * (reduce + 8) + 4
+    else:
+        per += reduce + (reduce + 4 + 4 if reduce != 4 else 0)
+    if strategy.on_nonfinite != "warn" and not strategy.defers_updates(trainer):
+        per += reduce  # each unit is checked before it is updated
+    return parameters * per
+
+
+def seconds(nbytes: float, gbps: float | None) -> float | None:
+    return None if gbps is None else nbytes / (gbps * 1e9)
+
+
+def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardware) -> dict[str, Any]:
+    """Everything ``estimate`` prints, as one dict (the ``--json`` object)."""
+    candidate = default_candidate(trainer, data)
+    run = run_shape(trainer, module, data, hardware)
+    config = module.hf_config(datamodule=data)
+    strategy = trainer.strategy
+    model = ModelShape.of(config, getattr(strategy, "block_class", None))
+    compute = compute_dtype(candidate, hardware.accelerator)
+    compression = getattr(strategy, "compression", None)
+    memory = device_estimate(candidate, model, run, base_compression=asdict(compression) if compression else None)
+    processes = run.processes_per_node
+    device = {"model_states": memory.model_states, "compression_state": memory.compression,
+              "weights_and_gradients_in_flight": memory.working_set, "activations": memory.activations,
+              "loss": memory.logits}
+    tokens = trainer.accumulate_grad_batches * data.batch_size * data.seq_len  # per process per optimizer step
+    if candidate.strategy == "slide_fsdp":
+        host = strategy.host_buffer_estimate(trainer, module, data, compute=compute)
+        units = strategy.unit_sizes(module, data, trainer.num_devices)
+        traffic = slide_traffic(trainer, units, data.batch_size, data.seq_len, config.hidden_size, compute)
+        update_bytes = cpu_update_bytes(trainer, model.parameters, compute)
+    else:
+        host = {"model_states": memory.host_per_node} if candidate.cpu_offload else {}
+        traffic = fsdp2_traffic(trainer, candidate, model.parameters, compute)
+        update_bytes = 0
+    host = with_runtime(host, processes)
+    model_flops = tokens * flops_per_token(config, data.seq_len)
+    flops = model_flops + tokens * recompute_flops_per_token(config, data.seq_len, candidate.activation_checkpointing)
+    peak = hardware.peak_for(compute)
+    link = hardware.intra_node_gbps if trainer.num_nodes == 1 else hardware.inter_node_gbps
+    network = {name: traffic[name] for name in ("all_gather", "reduce_scatter", "all_reduce")}
+    times = {
+        "compute_s": None if peak is None else flops / (peak * 1e12),
+        "h2d_s": seconds(traffic["h2d"], hardware.pcie_gbps) if traffic["h2d"] else 0.0,
+        "d2h_s": seconds(traffic["d2h"], hardware.pcie_gbps) if traffic["d2h"] else 0.0,
+        # the CPU updates of a node share its memory bandwidth
+        "cpu_update_s": seconds(update_bytes, hardware.host_memory_gbps) if update_bytes else 0.0,
+        "network_s": seconds(sum(network.values()), link) if sum(network.values()) else 0.0,
+    }
+    missing = [name for name, value in times.items() if value is None]
+    step_time = bound = mfu = None
+    if not missing:
+        step_time = max(times.values())
+        if candidate.strategy == "slide_fsdp":  # the updates overlap the backward only, or follow it
+            forward = model_flops / 3 / (peak * 1e12)
+            if strategy.defers_updates(trainer):
+                step_time = max(step_time, times["compute_s"] + times["cpu_update_s"])
+            else:
+                step_time = max(step_time, forward + max(times["compute_s"] - forward, times["cpu_update_s"]))
+        bound = max(times, key=times.get).removesuffix("_s")
+        mfu = model_flops / (step_time * peak * 1e12)
+    device_total, host_total = sum(device.values()), sum(host.values())
+    device_memory = hardware.memory_per_process_gb(processes) * GIB
+    return {
+        "hardware": asdict(hardware), "strategy": candidate.strategy, "knobs": candidate.knobs(),
+        "parameters": model.parameters, "compute_dtype": str(compute).removeprefix("torch."),
+        "tokens_per_step": tokens * run.world_size, "tokens_per_process": tokens,
+        "host_bytes": host_total, "host_by_buffer": host, "host_memory_bytes": int(hardware.host_memory_gb * GIB),
+        "device_peak_bytes": device_total, "device_by_component": device, "device_memory_bytes": int(device_memory),
+        "fits": device_total <= device_memory and host_total <= hardware.host_memory_gb * GIB,
+        "h2d_bytes": traffic["h2d"], "d2h_bytes": traffic["d2h"], "network_bytes": network,
+        "cpu_update_bytes": update_bytes, "model_flops": model_flops, "flops": flops, "times": times,
+        "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu,
+    }
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.2f} GiB"
+
+
+def report(figures: dict[str, Any]) -> str:
+    """The figures as the text ``estimate`` prints."""
+    hardware = figures["hardware"]
+    lines = [
+        f"{figures['strategy']} on {hardware['nodes']} node(s) x {hardware['devices_per_node']} {hardware['device_name']}: "
+        f"{figures['parameters'] / 1e9:.3g}B parameters in {figures['compute_dtype']}, "
+        f"{figures['tokens_per_process']:,} tokens per process per step ({figures['tokens_per_step']:,} in all)",
+        f"host per node: {_gib(figures['host_bytes'])} of {_gib(figures['host_memory_bytes'])} "
+        f"({describe(figures['host_by_buffer'])} GiB; runtime is an allowance of "
+        f"{RUNTIME_BYTES_PER_PROCESS / GIB:.0f} GiB per process)",
+        f"device per process: {_gib(figures['device_peak_bytes'])} of {_gib(figures['device_memory_bytes'])} "
+        f"({describe(figures['device_by_component'])} GiB; allocator and CUDA context not counted)",
+        f"fits: {'yes' if figures['fits'] else 'NO'}",
+        f"host-device per process per step: H2D {figures['h2d_bytes'] / 1e9:.2f} GB, D2H {figures['d2h_bytes'] / 1e9:.2f} GB",
+        "network per process per step (uncompressed): " + ", ".join(
+            f"{name} {value / 1e9:.2f} GB" for name, value in figures["network_bytes"].items()),
+    ]
+    if figures["cpu_update_bytes"]:
+        lines.append(f"CPU update per node per step: {figures['cpu_update_bytes'] / 1e9:.1f} GB "
+                     f"({figures['cpu_update_bytes'] / figures['parameters']:.0f} B/param)")
+    lines.append(f"compute per process per step: {figures['flops'] / 1e12:.1f} TFLOP "
+                 f"({figures['model_flops'] / 1e12:.1f} without recompute)")
+    times = ", ".join(f"{name.removesuffix('_s')} {value:.3f} s" for name, value in figures["times"].items()
+                      if value is not None)
+    lines.append(f"times at peak rates: {times}")
+    if figures["missing_rates"]:
+        lines.append("step time and MFU: unknown; the hardware file lacks the rates for "
+                     f"{', '.join(figures['missing_rates'])} (peak_tflops, pcie_gbps, host_memory_gbps, *_node_gbps)")
+    else:
+        lines.append(f"bound: {figures['bound']}; step time >= {figures['step_time_s']:.3f} s; "
+                     f"MFU <= {figures['mfu']:.1%} (every rate at its peak: an upper bound)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> None:
+    """``estimate``'s command line: fit's configs, ``--tune.hardware FILE`` and ``--json``."""
+    as_json = "--json" in argv
+    tune_args, fit_args = split_arguments([arg for arg in argv if arg != "--json"])
+    options = parse_options(tune_args)
+    hardware = load(options.hardware) if options.hardware else detect()
+    figures = estimate_step(*parse(fit_args, hardware), hardware)
+    print(json.dumps(figures, indent=2) if as_json else report(figures), file=sys.stdout)

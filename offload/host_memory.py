@@ -1,0 +1,88 @@
+"""SlideFSDP's host memory on one node, buffer by buffer: the one accounting behind the preflight, ``tune`` and ``OffloadStats``.
+
+Every buffer ``offload.host.HostState`` and the activation store allocate is counted at its exact size
+(pinned buffers are registered in place, so torch's power-of-two rounding of pinned allocations does not
+apply). ``runtime`` is what a process needs besides its buffers (Python, torch, the CUDA runtime's host
+side, the data loader): an allowance, not a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+GIB = 2**30
+RUNTIME_BYTES_PER_PROCESS = 3 * GIB  # allowance per rank: interpreter, libraries, CUDA runtime host side, loader
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """One unit (a block, or the root): its parameters' elements whole, and one rank's padded shard of them."""
+
+    full_numel: int
+    shard_numel: int
+
+    @classmethod
+    def of(cls, full_numel: int, shards: int) -> "UnitSize":
+        """An estimate from the element count alone (rows padded to whole shards are left out)."""
+        return cls(full_numel, math.ceil(full_numel / shards))
+
+
+@dataclass(frozen=True)
+class HostSetup:
+    """What decides SlideFSDP's host buffers on one node."""
+
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    processes: int  # ranks on the node; they shard the master rows between them
+    full_staging: bool  # param_transfer: full (one full-layout copy per node), else each rank's shard
+    keep_gradients: bool  # accumulation, clipping or skip_step: an fp32 gradient per unit until the step
+    incoming_full: bool  # grad_sync: cpu_reduce: whole gradients reach the host, not this rank's shard
+    ring_size: int  # gradient buffers in flight per rank
+    offloaded_activation_bytes: int = 0  # per rank: checkpointed block inputs kept on the host
+
+
+def size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
+    """Bytes per node of each host buffer for ``units`` (blocks, then the root)."""
+    ranks = setup.processes
+    full = sum(unit.full_numel for unit in units)
+    shard = sum(unit.shard_numel for unit in units)
+    incoming = max(unit.shard_numel * (ranks if setup.incoming_full else 1) for unit in units)
+    parts = {
+        "master": ranks * shard * 4,
+        "adam_moments": full * 8,  # float32 exp_avg and exp_avg_sq of each rank's own rows
+        "staging": (full if setup.full_staging else ranks * shard) * size(setup.compute_dtype),
+        "kept_gradients": ranks * shard * 4 if setup.keep_gradients else 0,
+        "gradient_ring": ranks * setup.ring_size * incoming * size(setup.reduce_dtype),
+        # gradients in another dtype than fp32 are converted before the update when no kept buffer holds them
+        "scratch": ranks * max(u.shard_numel for u in units) * 4
+        if not setup.keep_gradients and setup.reduce_dtype != torch.float32 else 0,
+        "activations": ranks * setup.offloaded_activation_bytes,
+    }
+    return parts
+
+
+def offloaded_activation_bytes(layers: int, checkpoint_every: int, micro_batch: int, seq_len: int, hidden: int,
+                               compute_dtype: torch.dtype) -> int:
+    """Host bytes of one rank's checkpointed block inputs (``activation_offload: cpu``): one per checkpointed block."""
+    if not checkpoint_every:
+        return 0
+    return math.ceil(layers / checkpoint_every) * micro_batch * seq_len * hidden * size(compute_dtype)
+
+
+def with_runtime(parts: dict[str, int], processes: int) -> dict[str, int]:
+    """``parts`` and the per-process runtime allowance: what the node must have available."""
+    return {**parts, "runtime": processes * RUNTIME_BYTES_PER_PROCESS}
+
+
+def describe(parts: dict[str, int]) -> str:
+    """``master 29.9, adam_moments 59.8, ...`` in GiB, largest first, zeros left out."""
+    ordered = sorted(((v, k) for k, v in parts.items() if v), reverse=True)
+    return ", ".join(f"{name} {value / GIB:.1f}" for value, name in ordered)

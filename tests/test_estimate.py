@@ -1,0 +1,63 @@
+"""``python -m lit_fsdp estimate``: every shipped config, the 8B offload case's figures, and bad input in one line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from lit_fsdp.estimate import estimate_step, main, parse
+from lit_fsdp.tune.hardware import detect, load
+from offload.host_memory import GIB
+from tests.helpers import REPO
+
+H100 = REPO / "configs" / "hardware" / "h100_128g.json"
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+ON_GPU = {"gpt2_124m.yaml", "llama_1b.yaml", "llama_8b_offload.yaml"}  # accelerator: gpu
+
+
+def test_every_shipped_config_is_estimated_on_the_hardware_it_is_for():
+    h100 = load(H100)
+    cluster = replace(h100, nodes=2, devices_per_node=8, intra_node_gbps=450.0, inter_node_gbps=50.0)
+    seen = 0
+    for config in sorted((REPO / "configs").glob("*.yaml")):
+        if config.name in ("quickstart.yaml", "wikipedia.yaml"):
+            continue  # the base of every overlay; wikipedia.yaml reads ../shared, which a CI machine may not have
+        configs = ["--config", str(QUICKSTART), "--config", str(config)]
+        machine = h100 if config.name in ON_GPU else detect()
+        if config.name == "multinode_hybrid.yaml":  # an overlay on gpt2_124m.yaml for 2 nodes x 8 GPUs
+            configs[2:2] = ["--config", str(REPO / "configs" / "gpt2_124m.yaml")]
+            machine = cluster
+        figures = estimate_step(*parse(configs, machine), machine)
+        assert figures["device_peak_bytes"] > 0 and figures["host_bytes"] > 0, config.name
+        assert figures["tokens_per_step"] > 0 and figures["model_flops"] > 0, config.name
+        if machine.accelerator == "cuda":  # the example file has every rate: a step time and an MFU
+            assert figures["bound"] and 0 < figures["mfu"] <= 1 and figures["fits"], config.name  # an upper bound
+        seen += 1
+    assert seen >= 25
+
+
+def test_the_8b_offload_case_on_one_h100_is_bound_by_the_cpu_update_and_fits_its_host(capsys):
+    main(["--config", str(QUICKSTART), "--config", str(REPO / "configs" / "llama_8b_offload.yaml"),
+          "--tune.hardware", str(H100), "--json"])
+    figures = json.loads(capsys.readouterr().out)
+    assert round(figures["host_bytes"] / GIB, 1) == 119.5 and figures["fits"]
+    assert figures["host_by_buffer"]["runtime"] == 3 * GIB
+    assert figures["tokens_per_step"] == 8 * 2048 and figures["strategy"] == "slide_fsdp"
+    # 38 B/param today: AdamW's weight and moments read and written (24), the master read for the bfloat16
+    # staging copy (4 + 2), the float32 gradient read by the non-finite check and by AdamW (4 + 4)
+    assert figures["cpu_update_bytes"] == figures["parameters"] * 38
+    times = figures["times"]
+    assert times["cpu_update_s"] == pytest.approx(figures["cpu_update_bytes"] / 80e9)
+    assert times["compute_s"] == pytest.approx(figures["flops"] / 989.5e12)
+    assert figures["bound"] == "cpu_update" and figures["mfu"] == pytest.approx(0.196, abs=0.001)
+    # per step: every block twice but the last (window 2), the root once, the checkpointed inputs there and back
+    assert figures["h2d_bytes"] == pytest.approx(33.88e9, rel=1e-3) and figures["d2h_bytes"] == pytest.approx(36.42e9, rel=1e-3)
+
+
+def test_a_config_that_names_another_machine_than_the_hardware_is_one_clear_error():
+    with pytest.raises(ValueError, match="the configs train on cuda but the hardware is cpu"):
+        hardware = detect()
+        estimate_step(*parse(["--config", str(QUICKSTART), "--config", str(REPO / "configs" / "llama_1b.yaml")],
+                             load(H100)), hardware)
