@@ -1,11 +1,15 @@
 """SlideFSDP against torch's CPU offload (FSDP2 + CPUOffloadPolicy) and plain FSDP2, side by side in one run.
 
-Every row is a real ``python -m lit_fsdp fit`` with the same model, global batch, sequence length,
+Every run is a real ``python -m lit_fsdp fit`` with the same model, global batch, sequence length,
 precision and activation checkpointing, on synthetic data whose vocabulary is the preset's; each
 records tokens/s, TFLOPS and MFU per device (warm-up steps dropped), the device's peak memory, the
 peak host RSS of rank 0, and for SlideFSDP the host-device rates, the CPU AdamW time per step and
-the share of it hidden behind the backward. A run that fails (out of memory, say) is a row with its
-error: that is how "where the model fits" is found. Table: ``OUT/table.md``; records: ``OUT/bench.jsonl``.
+the share of it hidden behind the backward. The strategies run in turns ``--repeats`` times (default 3):
+every (model, strategy) row once, then every row again, so that a drift in the machine's load hits every
+row alike. A row gives each figure's median over its runs and their range (min-max) in brackets, and how
+many runs succeeded; a run that fails (out of memory, say) is counted with its error: that is how "where
+the model fits" is found. Table: ``OUT/table.md``, rewritten after every run; records: ``OUT/bench.jsonl``,
+one line per run appended as it ends; run folders: ``OUT/<model>-<strategy>-<repeat>``.
 
     python scripts/bench_offload.py                                   # CPU, 2 processes, a small GPT-2
     python scripts/bench_offload.py --accelerator gpu --devices 1 --param-dtype bfloat16 \\
@@ -22,6 +26,7 @@ from typing import Any
 
 from lit_fsdp.launch import launch
 from lit_fsdp.presets import PRESETS
+from lit_fsdp.repeats import Spread, in_turns
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,8 +53,9 @@ def strategy_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
-def run(preset: str, strategy: str, args: argparse.Namespace, passthrough: list[str]) -> dict[str, Any]:
-    out = args.out / f"{preset}-{strategy}"
+def run(preset: str, strategy: str, repeat: int, args: argparse.Namespace, passthrough: list[str]) -> dict[str, Any]:
+    """One ``fit`` of ``strategy`` on ``preset``: its outcome and results record, TFLOPS per device added."""
+    out = args.out / f"{preset}-{strategy}-{repeat}"
     callbacks = [
         {"class_path": "callbacks.Throughput", "init_args": {"warmup_steps": args.warmup, "peak_tflops": args.peak_tflops}},
         {"class_path": "callbacks.Memory", "init_args": {"every_n_steps": 1}},
@@ -66,31 +72,35 @@ def run(preset: str, strategy: str, args: argparse.Namespace, passthrough: list[
         "--data.num_val_blocks", "4", *passthrough,
     ]
     outcome = launch([REPO / "configs" / "quickstart.yaml"], fit_args, out, timeout_s=args.timeout)
-    row: dict[str, Any] = {"preset": preset, "strategy": strategy, **outcome}
+    row: dict[str, Any] = dict(outcome)
     results = out / "results.jsonl"
     if outcome["status"] == "ok" and results.is_file():
-        record = json.loads(results.read_text().splitlines()[-1])
-        row.update(record)
-        if record.get("flops_per_token") and record.get("tokens_per_s"):
-            row["tflops"] = record["flops_per_token"] * record["tokens_per_s"] / args.devices / 1e12
-    return row
+        row.update(json.loads(results.read_text().splitlines()[-1]))
+        if row.get("flops_per_token") and row.get("tokens_per_s"):
+            row["tflops"] = row["flops_per_token"] * row["tokens_per_s"] / args.devices / 1e12
+    # The benchmark's names last: the record's own `strategy` is fsdp2 with and without CPU offload.
+    return {**row, "preset": preset, "strategy": strategy, "repeat": repeat}
 
 
-def cell(value: Any) -> str:
-    if value is None:
+def cell(spread: Spread | None) -> str:
+    if spread is None:
         return ""
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
+    return spread.format(".3g" if max(abs(spread.low), abs(spread.high)) < 1000 else ".0f")
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(runs: list[dict[str, Any]]) -> str:
+    """A row per (model, strategy): how many runs succeeded, then each figure's median (min-max) over them."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for result in runs:
+        groups.setdefault((result["preset"], result["strategy"]), []).append(result)
     lines = ["| model | strategy | " + " | ".join(title for title, _ in COLUMNS) + " |",
              "|---|---|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        status = row["status"] if row["status"] == "ok" else f"failed: {str(row.get('error'))[:80]}"
-        values = [status] + [cell(row.get(key)) for _, key in COLUMNS[1:]]
-        lines.append(f"| {row['preset']} | {row['strategy']} | " + " | ".join(values) + " |")
+    for (preset, strategy), group in groups.items():
+        ok = [r for r in group if r["status"] == "ok"]
+        errors = [str(r.get("error"))[:80] for r in group if r["status"] != "ok"]
+        status = f"{len(ok)} of {len(group)} ok" + (f"; failed: {errors[-1]}" if errors else "")
+        values = [status] + [cell(Spread.of(r.get(key) for r in ok)) for _, key in COLUMNS[1:]]
+        lines.append(f"| {preset} | {strategy} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
 
@@ -111,23 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--param-transfer", default="full", choices=["full", "shard"])
     parser.add_argument("--grad-sync", default="gpu_reduce", choices=["gpu_reduce", "cpu_reduce"])
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak of one device for MFU (default: the GPU table)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every (model, strategy) row, in turns")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_offload")
     args, passthrough = parser.parse_known_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats} must be >= 1")
+    results = []
     with open(args.out / "bench.jsonl", "a") as records:
-        for preset in args.presets:
-            for strategy in args.strategies:
-                row = run(preset, strategy, args, passthrough)
-                records.write(json.dumps(row, default=str) + "\n")
-                records.flush()
-                rows.append(row)
-                print(table([row]).splitlines()[-1], flush=True)
-    text = table(rows)
-    (args.out / "table.md").write_text(text + "\n")
+        for repeat, (preset, strategy) in in_turns([(p, s) for p in args.presets for s in args.strategies], args.repeats):
+            result = run(preset, strategy, repeat, args, passthrough)
+            records.write(json.dumps(result, default=str) + "\n")
+            records.flush()
+            results.append(result)
+            print(f"repeat {repeat}: " + table([result]).splitlines()[-1], flush=True)
+            (args.out / "table.md").write_text(table(results) + "\n")
+    text = table(results)
     print(text)
-    return 0 if all(row["status"] == "ok" for row in rows) else 1
+    return 0 if all(result["status"] == "ok" for result in results) else 1
 
 
 if __name__ == "__main__":

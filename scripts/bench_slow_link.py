@@ -4,9 +4,11 @@ Emulates two nodes on one machine: two Linux network namespaces joined by a veth
 10.210.0.1/30 and 10.210.0.2/30, which exist only inside the namespaces), both veth ends shaped by a
 ``tc`` token-bucket filter (tbf) to the given rate, gloo over that link. The link is checked first
 with a timed TCP transfer and its measured rate is printed. Then ``python -m lit_fsdp fit`` runs
-once per method with one rank in each namespace (Lightning's multi-node environment: 2 nodes x 1
-device), each rank pinned to its own core(s) with as many threads (``--threads``, default 1), so
-its compute does not depend on the other rank's.
+once per method and rate with one rank in each namespace (Lightning's multi-node environment: 2 nodes
+x 1 device), each rank pinned to its own core(s) with as many threads (``--threads``, default 1), so
+its compute does not depend on the other rank's. The rows (rate, method) run in turns ``--repeats``
+times (default 3): every row once, then every row again, so that a drift in the machine's load hits
+every row alike; each rate has its own link, set up once for the whole sweep.
 
 The configuration is communication-bound on purpose: ``sharding: NO_SHARD`` (the default) replicates
 the model on both ranks (data parallelism across two nodes, as DDP), so the only traffic per step is
@@ -22,23 +24,27 @@ time is in the raw records, ``compress_time_ms`` and ``decompress_time_ms``). On
 CPU the veth pair itself may carry less than a high nominal rate: the table heading gives the
 measured one.
 
-Figures are read from each run's ``results.jsonl`` (``callbacks.Results``): step time p50 and mean
-after warm-up, speed-up = p50 of ``none`` / p50 of the method, communication time and share
-(``callbacks.CommProfiler``, when it exists; it records the last warm-up steps) and the
-compression ratio against fp32. Failed runs are rows marked failed and the sweep goes on. The
-table goes to ``OUT/table.md``, every run's record to ``OUT/results.jsonl``, each run's folder to
-``OUT/<rate>/<method>`` (rank logs included).
+Figures are read from each run's ``results.jsonl`` (``callbacks.Results``): a run's step time is the
+p50 of its steps after warm-up; a row gives the median of its runs' p50s and their range (min-max).
+Speed-up = median of ``none`` / median of the method at the same rate, with the range of the
+per-repeat ratios (``none`` and the method of the same repeat). Communication time and share come
+from ``callbacks.CommProfiler`` (when it exists) recording the same steps whose time is reported, so
+those step times include the profiler's own per-op recording. Failed runs are counted in the row and
+the sweep goes on. The table goes to ``OUT/table.md`` (rewritten after every run), every run's record
+to ``OUT/results.jsonl`` (appended after every run), each run's folder to ``OUT/<rate>/<method>/<repeat>``
+(rank logs included).
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN, for ``ip netns`` and ``tc``); it removes the namespaces
 it created (and with them the veth pair) on exit, on an error, on Ctrl-C and on SIGTERM.
 
-    sudo python scripts/bench_slow_link.py                               # every method, 1 and 10 Gbit/s
-    sudo python scripts/bench_slow_link.py --rates 1gbit --methods none int8 --steps 8 --warmup 3
+    sudo python scripts/bench_slow_link.py                               # every method, 1 and 10 Gbit/s, 3 repeats
+    sudo python scripts/bench_slow_link.py --rates 1gbit --methods none int8 --steps 8 --warmup 3 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -51,6 +57,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from lit_fsdp.repeats import Spread, in_turns
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -249,20 +257,19 @@ def measure_rate(link: SlowLink, seconds: float = 1.0, port: int = 5201) -> dict
 # --- one run: a rank in each namespace -----------------------------------------------------------
 
 
-def write_callbacks(path: Path, warmup: int, profiler: bool) -> Path:
+def write_callbacks(path: Path, warmup: int, steps: int, profiler: bool) -> Path:
     """The measuring callbacks every run uses (they replace the method config's list).
 
-    ``CommProfiler`` records the last warm-up steps (after one step of its own start-up), so the
-    profiler's overhead stays out of the step times, which are measured after the warm-up.
+    ``CommProfiler`` records the timed steps (those after ``warmup``), so the communication share is
+    of the steps whose time is reported; its own start-up step is the last warm-up step.
     """
     callbacks = [
         {"class_path": "callbacks.CompressionStats"},
         {"class_path": "callbacks.Throughput", "init_args": {"warmup_steps": warmup}},
         {"class_path": "callbacks.Results"},
     ]
-    if profiler and warmup >= 3:
-        active = min(3, warmup - 2)
-        schedule = {"wait": warmup - 1 - active, "warmup": 1, "active": active}
+    if profiler and warmup >= 1:
+        schedule = {"wait": warmup - 1, "warmup": 1, "active": steps - warmup}
         callbacks.insert(2, {"class_path": "callbacks.CommProfiler", "init_args": schedule})
     path.write_text(json.dumps({"trainer": {"callbacks": callbacks}}))
     return path
@@ -362,9 +369,9 @@ def last_line(log: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def run_method(link: SlowLink, method: str, args: argparse.Namespace, callbacks: Path, port: int) -> dict:
-    """One fit across the link; the run's results record, or ``{"failed": reason}``."""
-    run_dir = args.out / link.rate / method
+def run_method(link: SlowLink, method: str, repeat: int, args: argparse.Namespace, callbacks: Path, port: int) -> dict:
+    """One fit across the link; the run's results record, or ``{"failed": reason}``, with its rate, method and repeat."""
+    run_dir = args.out / link.rate / method / str(repeat)
     run_dir.mkdir(parents=True, exist_ok=True)
     results = run_dir / "results.jsonl"
     before = len(results.read_text().splitlines()) if results.exists() else 0
@@ -373,7 +380,7 @@ def run_method(link: SlowLink, method: str, args: argparse.Namespace, callbacks:
     launches = [rank_launch(link, node, fit_args, port, cores) for node in (0, 1)]
     start = time.perf_counter()
     failure = run_ranks(launches, [run_dir / "rank0.log", run_dir / "rank1.log"], args.timeout)
-    base = {"rate": link.rate, "method": method, "wall_s": round(time.perf_counter() - start, 1)}
+    base = {"rate": link.rate, "method": method, "repeat": repeat, "wall_s": round(time.perf_counter() - start, 1)}
     if failure is None:
         lines = results.read_text().splitlines() if results.exists() else []
         if len(lines) > before:
@@ -385,31 +392,37 @@ def run_method(link: SlowLink, method: str, args: argparse.Namespace, callbacks:
 # --- report --------------------------------------------------------------------------------------
 
 
-def _number(value: float | None, form: str) -> str:
-    return "n/a" if value is None else format(value, form)
+def _cell(spread: Spread | None, spec: str = ".0f", suffix: str = "") -> str:
+    return "n/a" if spread is None else spread.format(spec, suffix)
 
 
 def table(records: list[dict], rate: str) -> str:
-    """Markdown for one rate: a row per method, speed-up against ``none`` by p50 step time."""
-    rows = [r for r in records if r["rate"] == rate]
-    base = next((r for r in rows if r["method"] == "none" and "failed" not in r), None)
+    """Markdown for one rate: a row per method over its repeats, speed-up against ``none`` from the medians."""
+    runs: dict[str, list[dict]] = {}
+    for r in records:
+        if r["rate"] == rate:
+            runs.setdefault(r["method"], []).append(r)
+    base = {r["repeat"]: r["step_time_ms_p50"] for r in runs.get("none", []) if r.get("step_time_ms_p50")}
+    base_step = Spread.of(base.values())
     lines = [
-        "| method | step ms p50 | step ms mean | speed-up vs none | comm ms/step | comm share | compression ratio | tokens/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | runs | step ms p50 | speed-up vs none | comm ms/step | comm share | compression ratio |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        if "failed" in r:
-            lines.append(f"| {r['method']} | failed: {r['failed'][:120].replace('|', '/')} | | | | | | |")
-            continue
-        p50 = r.get("step_time_ms_p50")
-        speedup = base["step_time_ms_p50"] / p50 if base and p50 else None
-        share = r.get("comm_ratio")
+    for method, rows in runs.items():
+        done = [r for r in rows if "failed" not in r]
+        failed = [r["failed"][:120].replace("|", "/") for r in rows if "failed" in r]
+        count = f"{len(done)} of {len(rows)}" + (f"; failed: {failed[-1]}" if failed else "")
+        step = Spread.of(r.get("step_time_ms_p50") for r in done)
+        speedup = None
+        paired = [base[r["repeat"]] / r["step_time_ms_p50"] for r in done if r.get("step_time_ms_p50") and r["repeat"] in base]
+        if base_step and step and paired:  # the ratio of the medians, with the range of the per-repeat ratios
+            speedup = Spread(base_step.median / step.median, min(paired), max(paired), len(paired))
+        share = Spread.of(None if r.get("comm_ratio") is None else 100 * r["comm_ratio"] for r in done)
+        ratio = Spread.of(r.get("compression_ratio") for r in done)
         lines.append(
-            f"| {r['method']} | {_number(p50, '.0f')} | {_number(r.get('step_time_ms_mean'), '.0f')} "
-            f"| {_number(speedup, '.2f')}{'x' if speedup else ''} | {_number(r.get('comm_time_ms_total'), '.0f')} "
-            f"| {'n/a' if share is None else f'{100 * share:.0f}%'} "
-            f"| {_number(r.get('compression_ratio'), '.1f')}{'x' if r.get('compression_ratio') else ''} "
-            f"| {_number(r.get('tokens_per_s'), '.0f')} |"
+            f"| {method} | {count} | {_cell(step)} | {_cell(speedup, '.2f', 'x')} "
+            f"| {_cell(Spread.of(r.get('comm_time_ms_total') for r in done))} | {_cell(share, '.0f', '%')} "
+            f"| {'n/a' if ratio is None else f'{ratio.median:.1f}x'} |"
         )
     return "\n".join(lines)
 
@@ -450,8 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--param-all-gather", choices=["int8", "fp8", "bf16", "fp16"],
                         help="FULL_SHARD: quantise the parameter all-gather too (compression.param_all_gather)")
     parser.add_argument(
-        "--warmup", type=int, default=5, help="first steps left out of the step times (the profiler records the last ones)"
+        "--warmup", type=int, default=5, help="first steps left out of the step times and the profile"
     )
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every (rate, method) row, in turns")
     parser.add_argument("--layers", type=int, default=4, help="GPT-2 n_layer")
     parser.add_argument("--width", type=int, default=640, help="GPT-2 n_embd")
     parser.add_argument("--heads", type=int, default=8, help="GPT-2 n_head")
@@ -474,53 +488,68 @@ def main() -> None:
         return probe_send(args.probe_send[0], int(args.probe_send[1]), int(args.probe_send[2]))
     if args.param_all_gather and args.sharding == "NO_SHARD":
         parser.error("--param-all-gather needs --sharding FULL_SHARD (NO_SHARD gathers no parameters)")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats} must be >= 1")
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} leaves no measured step of --steps {args.steps}; lower it")
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
 
+    rates = list(dict.fromkeys(args.rates))
     records: list[dict] = []
-    sections: list[str] = []
-    setup = ""
     port = 29500
     try:
-        for rate in args.rates:
-            with SlowLink(rate) as link:
-                if not setup:  # once, inside the first link: a missing root fails before anything slow
-                    params = parameter_count(args)
-                    callbacks = write_callbacks(args.out / "callbacks.json", args.warmup, comm_profiler_available())
-                    setup = (
-                        f"{args.sharding}{' with a ' + args.param_all_gather + ' parameter all-gather' if args.param_all_gather else ''} across 2 namespaces (1 rank each, gloo, {args.threads} pinned core(s) and "
-                        f"thread(s) per rank); GPT-2 "
-                        f"n_layer={args.layers} n_embd={args.width} ({params / 1e6:.1f}M parameters, "
-                        f"{4 * params / 1e6:.0f} MB of fp32 gradients per step), batch {args.batch_size} x seq "
-                        f"{args.seq_len} per rank, synthetic data; {args.steps} steps, first {args.warmup} left out"
-                    )
-                    print(setup, flush=True)
-                check = measure_rate(link)
+        with contextlib.ExitStack() as stack:
+            # Every link first: a missing root fails before anything slow.
+            links = {rate: stack.enter_context(SlowLink(rate, tag=f"{os.getpid()}{i}")) for i, rate in enumerate(rates)}
+            params = parameter_count(args)
+            callbacks = write_callbacks(args.out / "callbacks.json", args.warmup, args.steps, comm_profiler_available())
+            setup = (
+                f"{args.sharding}{' with a ' + args.param_all_gather + ' parameter all-gather' if args.param_all_gather else ''} across 2 namespaces (1 rank each, gloo, {args.threads} pinned core(s) and "
+                f"thread(s) per rank); GPT-2 "
+                f"n_layer={args.layers} n_embd={args.width} ({params / 1e6:.1f}M parameters, "
+                f"{4 * params / 1e6:.0f} MB of fp32 gradients per step), batch {args.batch_size} x seq "
+                f"{args.seq_len} per rank, synthetic data; {args.steps} steps, first {args.warmup} left out; "
+                f"{args.repeats} repeat(s), every row once per repeat"
+            )
+            print(setup, flush=True)
+            checks, headings = {}, {}
+            for rate in rates:
+                check = checks[rate] = measure_rate(links[rate])
                 fp32_ms = 4 * params * 8 / (check["measured_gbit_s"] * 1e9) * 1000
-                heading = (
+                headings[rate] = (
                     f"## {rate}: measured {check['measured_gbit_s']:.2f} Gbit/s "
                     f"(tbf on both veth ends); the fp32 all-reduce alone takes about {fp32_ms:.0f} ms per step"
                 )
-                print(heading, flush=True)
-                for method in args.methods:
-                    port += 1  # a fresh port: the last run's may still be in TIME_WAIT
-                    record = {**run_method(link, method, args, callbacks, port), "link": check, "setup": setup}
-                    records.append(record)
-                    print(json.dumps({k: record.get(k) for k in (
-                        "rate", "method", "wall_s", "failed", "step_time_ms_p50", "step_time_ms_mean",
-                        "comm_ratio", "compression_ratio")}), flush=True)
-                    with open(args.out / "results.jsonl", "a") as f:
-                        f.write(json.dumps(record, default=str) + "\n")
-                sections.append(f"{heading}\n\n{table(records, rate)}")
-                # Written after every rate, so a later rate's failure keeps the tables done so far.
-                legend = "Speed-up = p50 step time of none / p50 step time of the method."
-                markdown = "\n\n".join([setup, legend, *sections])
+                print(headings[rate], flush=True)
+            for repeat, (rate, method) in in_turns([(r, m) for r in rates for m in args.methods], args.repeats):
+                port += 1  # a fresh port: the last run's may still be in TIME_WAIT
+                record = {**run_method(links[rate], method, repeat, args, callbacks, port), "link": checks[rate],
+                          "setup": setup, "sharding": args.sharding, "param_all_gather": args.param_all_gather}
+                records.append(record)
+                print(json.dumps({k: record.get(k) for k in (
+                    "rate", "method", "repeat", "wall_s", "failed", "step_time_ms_p50", "comm_ratio",
+                    "compression_ratio")}), flush=True)
+                with open(args.out / "results.jsonl", "a") as f:
+                    f.write(json.dumps(record, default=str) + "\n")
+                # Rewritten after every run, so an interrupted sweep keeps the table of the runs done so far.
+                markdown = report(setup, headings, records)
                 (args.out / "table.md").write_text(markdown + "\n")
     except LinkError as error:
         sys.exit(f"bench_slow_link: {error}")
     print(markdown)
+
+
+def report(setup: str, headings: dict[str, str], records: list[dict]) -> str:
+    """The setup, the legend and a table per rate that has runs."""
+    legend = (
+        "Step ms p50: each run's p50 over its timed steps; the median over the repeats (min-max in brackets). "
+        "Speed-up vs none: median of none / median of the method (min-max of the per-repeat ratios in brackets). "
+        "Comm ms/step and comm share: CommProfiler over the same timed steps (whose times include its recording)."
+    )
+    sections = [f"{heading}\n\n{table(records, rate)}" for rate, heading in headings.items()
+                if any(r["rate"] == rate for r in records)]
+    return "\n\n".join([setup, legend, *sections])
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ put fake ``ip`` and ``tc`` commands first on PATH, which log their arguments.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from lit_fsdp.repeats import in_turns
 from tests.helpers import REPO, run_cli
 
 SCRIPT = REPO / "scripts" / "bench_slow_link.py"
@@ -136,7 +138,7 @@ def test_ranks_get_disjoint_cores_and_as_many_threads(monkeypatch):
 
 def test_the_cli_accepts_the_rank_arguments(tmp_path):
     args = bench.build_parser().parse_args(["--methods", "topk"])
-    callbacks = bench.write_callbacks(tmp_path / "callbacks.json", args.warmup, profiler=True)
+    callbacks = bench.write_callbacks(tmp_path / "callbacks.json", args.warmup, args.steps, profiler=True)
     fit_args = bench.fit_arguments(args, "topk", callbacks, tmp_path / "run")
     printed = run_cli(*fit_args[2:], "--print_config", cwd=tmp_path).stdout
     assert "sharding: NO_SHARD" in printed and "num_nodes: 2" in printed and "method: topk" in printed
@@ -160,20 +162,48 @@ def test_a_run_past_its_timeout_is_killed_and_reported(tmp_path):
     assert bench.run_ranks([sleeper, sleeper], [tmp_path / "rank0.log", tmp_path / "rank1.log"], 1) == "timed out after 1 s"
 
 
-def test_the_table_marks_failed_runs_and_measures_speedup_against_none():
+def test_the_profiler_records_exactly_the_timed_steps(tmp_path):
+    written = bench.write_callbacks(tmp_path / "callbacks.json", warmup=5, steps=14, profiler=True)
+    callbacks = {c["class_path"]: c.get("init_args") for c in json.loads(written.read_text())["trainer"]["callbacks"]}
+    assert callbacks["callbacks.Throughput"] == {"warmup_steps": 5}  # steps 5..13 are timed
+    # steps 0-3 skipped, step 4 the profiler's own start-up, steps 5..13 recorded
+    assert callbacks["callbacks.CommProfiler"] == {"wait": 4, "warmup": 1, "active": 9}
+
+
+def test_rows_run_in_turns_one_repeat_after_another():
+    rows = [("1gbit", "none"), ("1gbit", "int8")]
+    assert in_turns(rows, 2) == [(0, rows[0]), (0, rows[1]), (1, rows[0]), (1, rows[1])]
+
+
+def run(method: str, repeat: int, p50: float | None = None, **figures) -> dict:
+    record = {"rate": "1gbit", "method": method, "repeat": repeat}
+    return {**record, "failed": figures["failed"]} if "failed" in figures else {**record, "step_time_ms_p50": p50, **figures}
+
+
+def test_the_table_gives_medians_ranges_and_speedup_from_the_medians():
     records = [
-        {"rate": "1gbit", "method": "none", "step_time_ms_p50": 1000.0, "step_time_ms_mean": 1010.0,
-         "comm_time_ms_total": 700.0, "comm_ratio": 0.7, "compression_ratio": 1.0, "tokens_per_s": 32.0},
-        {"rate": "1gbit", "method": "int8", "step_time_ms_p50": 400.0, "step_time_ms_mean": 420.0,
-         "comm_time_ms_total": None, "comm_ratio": None, "compression_ratio": 3.98, "tokens_per_s": 80.0},
-        {"rate": "1gbit", "method": "topk", "failed": "rank1 exited 1: boom | bang"},
-        {"rate": "10gbit", "method": "none", "step_time_ms_p50": 500.0},
+        run("none", 0, 1000.0, comm_time_ms_total=700.0, comm_ratio=0.70, compression_ratio=1.0),
+        run("int8", 0, 400.0, comm_time_ms_total=None, comm_ratio=None, compression_ratio=3.98),
+        run("topk", 0, failed="rank1 exited 1: boom | bang"),
+        run("none", 1, 900.0, comm_time_ms_total=600.0, comm_ratio=0.66, compression_ratio=1.0),
+        run("int8", 1, 500.0, comm_time_ms_total=200.0, comm_ratio=0.40, compression_ratio=3.98),
+        run("topk", 1, failed="rank0 exited 1: later"),
+        run("none", 2, 1200.0, comm_time_ms_total=650.0, comm_ratio=0.60, compression_ratio=1.0),
+        run("int8", 2, 450.0, comm_time_ms_total=250.0, comm_ratio=0.50, compression_ratio=3.98),
+        {"rate": "10gbit", "method": "none", "repeat": 0, "step_time_ms_p50": 500.0},
     ]
-    rows = bench.table(records, "1gbit").splitlines()[2:]
-    assert rows[0] == "| none | 1000 | 1010 | 1.00x | 700 | 70% | 1.0x | 32 |"
-    assert rows[1] == "| int8 | 400 | 420 | 2.50x | n/a | n/a | 4.0x | 80 |"
-    assert rows[2].startswith("| topk | failed: rank1 exited 1: boom / bang |") and rows[2].count("|") == 9
+    header, _, *rows = bench.table(records, "1gbit").splitlines()
+    assert header.count("|") == 8
+    assert rows[0] == "| none | 3 of 3 | 1000 (900-1200) | 1.00x | 650 (600-700) | 66% (60%-70%) | 1.0x |"
+    # 1000 / 450 from the medians; per repeat 1000/400, 900/500, 1200/450
+    assert rows[1] == "| int8 | 3 of 3 | 450 (400-500) | 2.22x (1.80x-2.67x) | 225 (200-250) | 45% (40%-50%) | 4.0x |"
+    assert rows[2] == "| topk | 0 of 2; failed: rank0 exited 1: later | n/a | n/a | n/a | n/a | n/a |"
     assert len(rows) == 3  # the other rate's run is not in this table
+
+
+def test_a_single_repeat_prints_plain_figures_and_a_method_without_none_has_no_speedup():
+    records = [run("int8", 0, 400.0, comm_time_ms_total=300.0, comm_ratio=0.5, compression_ratio=4.0)]
+    assert bench.table(records, "1gbit").splitlines()[2] == "| int8 | 1 of 1 | 400 | n/a | 300 | 50% | 4.0x |"
 
 
 @needs_netns
