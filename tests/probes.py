@@ -161,8 +161,9 @@ class FailHostSide(pl.Callback):
     """On global rank ``rank``, from optimizer step ``step`` on, SlideFSDP's host side raises: in the CPU update
     (``update``), the wait for a gradient's copy (``d2h``) or the CPU all-reduce (``reduce``)."""
 
-    def __init__(self, rank: int, step: int, where: str):
-        self.rank, self.step, self.where = rank, step, where
+    def __init__(self, rank: int, step: int, where: str, failed_at: str | None = None):
+        """``failed_at``: a file the first injected failure writes its wall-clock time to."""
+        self.rank, self.step, self.where, self.failed_at = rank, step, where, failed_at
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank != self.rank or trainer.global_step < self.step:
@@ -170,6 +171,12 @@ class FailHostSide(pl.Callback):
         gradients = trainer.strategy.engine.gradients
 
         def fail(*args, **kwargs):
+            import os
+            import time
+
+            if self.failed_at and not os.path.exists(self.failed_at):
+                with open(self.failed_at, "w") as f:
+                    f.write(repr(time.time()))
             raise RuntimeError(f"injected {self.where} failure")
 
         if self.where == "update":
