@@ -86,7 +86,7 @@ def _ring(nbytes: float, ranks: int) -> float:
 
 
 def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, seq_len: int, hidden: int,
-                  compute: torch.dtype) -> dict[str, float]:
+                  compute: torch.dtype, reduce_dtype: torch.dtype) -> dict[str, float]:
     """SlideFSDP's host-device bytes per process per optimizer step and its device collectives' bytes.
 
     Per micro-batch every block is loaded for the forward and again for the backward, less the last
@@ -95,7 +95,7 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
     """
     strategy, steps = trainer.strategy, trainer.accumulate_grad_batches
     p = compute.itemsize
-    reduce = strategy.resolve_dtype(strategy.reduce_dtype, fallback=compute).itemsize
+    reduce = reduce_dtype.itemsize
     full = strategy.param_transfer == "full"
     shards = trainer.num_devices
     blocks, root = units[:-1], units[-1]
@@ -125,14 +125,15 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
     return traffic
 
 
-def fsdp2_traffic(trainer: RunTrainer, candidate: Candidate, parameters: int, compute: torch.dtype) -> dict[str, float]:
+def fsdp2_traffic(trainer: RunTrainer, candidate: Candidate, parameters: int, compute: torch.dtype,
+                  reduce_dtype: torch.dtype) -> dict[str, float]:
     """FSDP2's collectives' bytes (uncompressed) and, with ``cpu_offload``, its host-device bytes, per process per step."""
-    strategy, steps = trainer.strategy, trainer.accumulate_grad_batches
+    steps = trainer.accumulate_grad_batches
     world = trainer.num_nodes * trainer.num_devices
     replicas = {"NO_SHARD": world, "HYBRID_SHARD": candidate.replicate_size or trainer.num_nodes}.get(candidate.sharding, 1)
     shard = world // replicas
     p = compute.itemsize
-    reduce = strategy.resolve_dtype(strategy.reduce_dtype, fallback=compute).itemsize
+    reduce = reduce_dtype.itemsize
     gathers = 2 if candidate.sharding in ("FULL_SHARD", "HYBRID_SHARD") else 1  # backward gathers again after a reshard
     traffic = {
         "all_gather": steps * gathers * _ring(parameters * p, shard),
@@ -146,7 +147,7 @@ def fsdp2_traffic(trainer: RunTrainer, candidate: Candidate, parameters: int, co
     return traffic
 
 
-def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype) -> int:
+def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype, reduce_dtype: torch.dtype) -> int:
     """Host bytes SlideFSDP's CPU updates read and write per node per optimizer step, as implemented today.
 
     Per parameter: AdamW's fp32 weight and moments read and written and the staging copy rewritten from the
@@ -155,7 +156,7 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype)
     fp32 buffer each micro-batch when gradients are kept.
     """
     strategy = trainer.strategy
-    reduce = strategy.resolve_dtype(strategy.reduce_dtype, fallback=compute).itemsize
+    reduce = reduce_dtype.itemsize
     per = ADAMW_STATE_BYTES + compute.itemsize
     if strategy.keeps_gradients(trainer):
         per += trainer.accumulate_grad_batches * (reduce + 8) + 4
@@ -178,6 +179,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     strategy = trainer.strategy
     model = ModelShape.of(config, getattr(strategy, "block_class", None))
     compute = compute_dtype(candidate, hardware.accelerator)
+    reduce = strategy.resolve_dtype(strategy.reduce_dtype, fallback=compute)
     compression = getattr(strategy, "compression", None)
     memory = device_estimate(candidate, model, run, base_compression=asdict(compression) if compression else None)
     processes = run.processes_per_node
@@ -186,13 +188,13 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
               "loss": memory.logits}
     tokens = trainer.accumulate_grad_batches * data.batch_size * data.seq_len  # per process per optimizer step
     if candidate.strategy == "slide_fsdp":
-        host = strategy.host_buffer_estimate(trainer, module, data, compute=compute)
         units = strategy.unit_sizes(module, data, trainer.num_devices)
-        traffic = slide_traffic(trainer, units, data.batch_size, data.seq_len, config.hidden_size, compute)
-        update_bytes = cpu_update_bytes(trainer, model.parameters, compute)
+        host = strategy.host_buffer_estimate(trainer, module, data, compute=compute, units=units)
+        traffic = slide_traffic(trainer, units, data.batch_size, data.seq_len, config.hidden_size, compute, reduce)
+        update_bytes = cpu_update_bytes(trainer, model.parameters, compute, reduce)
     else:
         host = {"model_states": memory.host_per_node} if candidate.cpu_offload else {}
-        traffic = fsdp2_traffic(trainer, candidate, model.parameters, compute)
+        traffic = fsdp2_traffic(trainer, candidate, model.parameters, compute, reduce)
         update_bytes = 0
     host = with_runtime(host, processes)
     model_flops = tokens * flops_per_token(config, data.seq_len)

@@ -34,14 +34,30 @@ from compress.layout import UnitLayout
 SHM_DIR = Path("/dev/shm")
 
 
-def host_region(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, bool]:
-    """One host allocation of exactly ``numel`` elements and whether it is pinned.
+class HostRegion:
+    """One host allocation, pinned in place (``cudaHostRegister``) when asked and possible, unpinned by ``close``.
 
-    Pinned in place (``cudaHostRegister``) rather than by torch's pinned allocator, which rounds each
-    allocation up to a power of two (a 436 MB block would take 512 MiB); pageable if pinning fails.
+    Registered in place rather than allocated by torch's pinned allocator, which rounds each allocation up
+    to a power of two (a 436 MB block would take 512 MiB); pageable if the registration fails.
     """
-    tensor = torch.empty(numel, dtype=dtype)
-    return tensor, register_host_memory(tensor, numel * tensor.element_size()) if pin and numel else False
+
+    def __init__(self, tensor: torch.Tensor, pin: bool):
+        self.tensor = tensor
+        self.pinned = register_host_memory(tensor, tensor.numel() * tensor.element_size()) if pin and tensor.numel() else False
+
+    @classmethod
+    def empty(cls, numel: int, dtype: torch.dtype, pin: bool) -> "HostRegion":
+        """A fresh allocation of exactly ``numel`` elements."""
+        return cls(torch.empty(numel, dtype=dtype), pin)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
 
 
 def can_pin(device: torch.device, wanted: bool) -> bool:
@@ -95,10 +111,6 @@ def loaded_cuda_get_last_error() -> Callable[[], int] | None:
         return None
 
 
-def unregister_host_memory(tensor: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-
-
 def shared_memory_free() -> int:
     """Free bytes in /dev/shm (0 where there is none)."""
     try:
@@ -126,7 +138,7 @@ class SharedStaging:
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, pin: bool, local_rank: int, node_tag: str, group: dist.ProcessGroup):
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         path = SHM_DIR / f"lit_fsdp_slide_{node_tag}"
         # Every rank checks, before the barrier: a rank that waited there for local rank 0's refusal would wait
         # until the collective timeout. The file is sparse until written, so the ranks see the same free space.
@@ -136,16 +148,11 @@ class SharedStaging:
             with open(path, "wb") as f:
                 f.truncate(nbytes)
         dist.barrier(group=group)
-        self.tensor = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+        tensor = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
         dist.barrier(group=group)
         if local_rank == 0:
             path.unlink()
-        self.pinned = register_host_memory(self.tensor, nbytes) if pin else False
-
-    def close(self) -> None:
-        if self.pinned:
-            unregister_host_memory(self.tensor)
-            self.pinned = False
+        self.region = HostRegion(tensor, pin)
 
 
 class BufferRing:
@@ -154,8 +161,8 @@ class BufferRing:
     POLL_S = 0.5  # how often a waiting ``acquire`` looks for a failure of the side that gives buffers back
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool):
-        self.region, self.pinned = host_region(count * numel, dtype, pin)
-        buffers = self.region.split(numel) if numel else [self.region] * count
+        self.region = HostRegion.empty(count * numel, dtype, pin)
+        buffers = self.region.tensor.split(numel) if numel else [self.region.tensor] * count
         self._by_address = {buffer.data_ptr(): buffer for buffer in buffers}
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for buffer in buffers:
@@ -205,12 +212,8 @@ class HostState:
         self.shared = shared
         self.master = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in layouts]
         sizes = [layout.full_numel if full_staging else layout.shard_numel for layout in layouts]
-        if shared is not None:
-            region, self.staging_pinned = shared.tensor, False  # SharedStaging pins and unpins it
-        else:
-            region, self.staging_pinned = host_region(sum(sizes), compute_dtype, pin)
-        self.staging_region = region
-        self.staging = list(region[: sum(sizes)].split(sizes))
+        self.staging_region = shared.region if shared is not None else HostRegion.empty(sum(sizes), compute_dtype, pin)
+        self.staging = list(self.staging_region.tensor[: sum(sizes)].split(sizes))
         self.gradients = [torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=False) for layout in layouts] if keep_gradients else None
         largest = max(layout.shard_numel * (layout.shards if incoming_full else 1) for layout in layouts)
         self.incoming = BufferRing(ring_size, largest, reduce_dtype, pin)
@@ -240,17 +243,14 @@ class HostState:
             "master": nbytes(self.master),
             "staging": nbytes(self.staging) if self.shared is None or count_shared else 0,
             "kept_gradients": nbytes(self.gradients),
-            "gradient_ring": nbytes([self.incoming.region]),
+            "gradient_ring": self.incoming.region.nbytes,
             "scratch": nbytes([self.scratch] if self.scratch is not None else []),
         }
 
     def close(self) -> None:
-        if self.shared is not None:
-            self.shared.close()
-        for region, pinned in ((self.staging_region, self.staging_pinned), (self.incoming.region, self.incoming.pinned)):
-            if pinned:
-                unregister_host_memory(region)
-        self.staging_pinned = self.incoming.pinned = False
+        """Unpin the staging copy (the node's shared one too) and the gradient ring."""
+        self.staging_region.close()
+        self.incoming.region.close()
 
 
 def node_tag(node_rank: int) -> str:

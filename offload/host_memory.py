@@ -44,9 +44,18 @@ class HostSetup:
     ring_size: int  # gradient buffers in flight per rank
     offloaded_activation_bytes: int = 0  # per rank: checkpointed block inputs kept on the host
 
+    @classmethod
+    def of_knobs(cls, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, processes: int, param_transfer: str,
+                 grad_sync: str, window: int, keep_gradients: bool, offloaded_activation_bytes: int = 0) -> "HostSetup":
+        """The setup SlideFSDP's knobs give (``offload.SlideFSDPStrategy`` and the tuner's candidates)."""
+        return cls(compute_dtype, reduce_dtype, processes, full_staging=param_transfer == "full",
+                   keep_gradients=keep_gradients, incoming_full=grad_sync == "cpu_reduce",
+                   ring_size=ring_size(window), offloaded_activation_bytes=offloaded_activation_bytes)
 
-def size(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+
+def ring_size(window: int) -> int:
+    """Gradient buffers per rank: one per block the window holds, at least two (one filling, one being applied)."""
+    return max(2, window)
 
 
 def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
@@ -58,9 +67,9 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
     parts = {
         "master": ranks * shard * 4,
         "adam_moments": full * 8,  # float32 exp_avg and exp_avg_sq of each rank's own rows
-        "staging": (full if setup.full_staging else ranks * shard) * size(setup.compute_dtype),
+        "staging": (full if setup.full_staging else ranks * shard) * setup.compute_dtype.itemsize,
         "kept_gradients": ranks * shard * 4 if setup.keep_gradients else 0,
-        "gradient_ring": ranks * setup.ring_size * incoming * size(setup.reduce_dtype),
+        "gradient_ring": ranks * setup.ring_size * incoming * setup.reduce_dtype.itemsize,
         # gradients in another dtype than fp32 are converted before the update when no kept buffer holds them
         "scratch": ranks * max(u.shard_numel for u in units) * 4
         if not setup.keep_gradients and setup.reduce_dtype != torch.float32 else 0,
@@ -74,7 +83,7 @@ def offloaded_activation_bytes(layers: int, checkpoint_every: int, micro_batch: 
     """Host bytes of one rank's checkpointed block inputs (``activation_offload: cpu``): one per checkpointed block."""
     if not checkpoint_every:
         return 0
-    return math.ceil(layers / checkpoint_every) * micro_batch * seq_len * hidden * size(compute_dtype)
+    return math.ceil(layers / checkpoint_every) * micro_batch * seq_len * hidden * compute_dtype.itemsize
 
 
 def with_runtime(parts: dict[str, int], processes: int) -> dict[str, int]:

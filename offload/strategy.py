@@ -35,7 +35,7 @@ from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, SlideEngine
 from offload.gradients import GradientPipeline
 from offload.host import HostState, SharedStaging, can_pin, check_shared_memory, node_tag
-from offload.host_memory import (HostSetup, UnitSize, describe, host_buffers, offloaded_activation_bytes,
+from offload.host_memory import (HostSetup, UnitSize, describe, host_buffers, offloaded_activation_bytes, ring_size,
                                   with_runtime)
 from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
@@ -167,12 +167,9 @@ class SlideFSDPStrategy(CausalLMStrategy):
     def host_setup(self, trainer: pl.Trainer, activation_bytes: int = 0, compute: torch.dtype | None = None) -> HostSetup:
         """What decides this run's host buffers (``offload.host_memory``); ``compute`` overrides the resolved dtype."""
         compute = compute or self.resolve_dtype(self.param_dtype)
-        return HostSetup(
-            compute_dtype=compute, reduce_dtype=self.resolve_dtype(self.reduce_dtype, fallback=compute),
-            processes=trainer.num_devices, full_staging=self.param_transfer == "full",
-            keep_gradients=self.keeps_gradients(trainer), incoming_full=self.grad_sync == "cpu_reduce",
-            ring_size=max(2, self.window), offloaded_activation_bytes=activation_bytes,
-        )
+        return HostSetup.of_knobs(compute, self.resolve_dtype(self.reduce_dtype, fallback=compute), trainer.num_devices,
+                                  self.param_transfer, self.grad_sync, self.window, self.keeps_gradients(trainer),
+                                  activation_bytes)
 
     def unit_sizes(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
         """Every unit's size (blocks, then the root) with ``shards`` ranks per node, from the model on the meta device."""
@@ -184,12 +181,13 @@ class SlideFSDPStrategy(CausalLMStrategy):
         return [UnitSize(layout.full_numel, layout.shard_numel) for layout in [*block_layouts, root_layout]]
 
     def host_buffer_estimate(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None,
-                             compute: torch.dtype | None = None) -> dict[str, int]:
+                             compute: torch.dtype | None = None, units: list[UnitSize] | None = None) -> dict[str, int]:
         """The node's host bytes per buffer for this run (``offload.host_memory``); offloaded activations need
         ``datamodule`` (its batch size and sequence length). ``compute`` overrides the compute dtype the strategy
-        resolves (``estimate`` on a machine without the run's GPU)."""
+        resolves (``estimate`` on a machine without the run's GPU); ``units`` are ``unit_sizes``' when the caller
+        has them already (each call builds the model on the meta device)."""
         compute = compute or self.resolve_dtype(self.param_dtype)
-        units = self.unit_sizes(module, datamodule, trainer.num_devices)
+        units = units or self.unit_sizes(module, datamodule, trainer.num_devices)
         activations = 0
         if self.activation_offload == "cpu" and datamodule is not None:
             activations = offloaded_activation_bytes(
@@ -201,11 +199,12 @@ class SlideFSDPStrategy(CausalLMStrategy):
                           available: int | None = None) -> dict[str, int]:
         """Fail before training if the node's host buffers and runtime cannot fit in ``available`` bytes (default:
         the memory available now); returns what it counted, per buffer."""
-        parts = with_runtime(self.host_buffer_estimate(trainer, module, datamodule), trainer.num_devices)
+        units = self.unit_sizes(module, datamodule, trainer.num_devices)
+        parts = with_runtime(self.host_buffer_estimate(trainer, module, datamodule, units=units), trainer.num_devices)
         needed = sum(parts.values())
         available = available_host_bytes() if available is None else available
         if available is not None and needed > available:
-            billions = (parts["adam_moments"] / 8) / 1e9
+            billions = sum(unit.full_numel for unit in units) / 1e9
             raise ValueError(
                 f"SlideFSDP needs {needed / _GIB:.1f} GiB of host memory per node for {billions:.2f}B parameters "
                 f"({describe(parts)} GiB) but {available / _GIB:.1f} GiB are available; use a smaller model or more "
@@ -262,7 +261,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             shared = SharedStaging(numel, compute, pin, shard_rank, node_tag(self.node_rank), shard_mesh.get_group())
         self.host = HostState(
             layouts, compute, reduce, full_staging=full, keep_gradients=self.keeps_gradients(trainer),
-            incoming_full=self.grad_sync == "cpu_reduce", ring_size=max(2, self.window), pin=pin, shared=shared,
+            incoming_full=self.grad_sync == "cpu_reduce", ring_size=ring_size(self.window), pin=pin, shared=shared,
         )
         self.host_state_dict = HostStateDict(network, layouts, self.host.master, self.cpu_mesh)
         with self.host_state_dict.parameters_as_dtensors():
@@ -292,7 +291,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
 
     def _describe(self, layouts: list, compute: torch.dtype, shards: int, pin: bool) -> None:
         parameters = self.parameter_count()
-        largest = max(layout.full_numel for layout in layouts[:-1]) * torch.empty(0, dtype=compute).element_size()
+        largest = max(layout.full_numel for layout in layouts[:-1]) * compute.itemsize
         rank_zero_info(
             f"SlideFSDP: {parameters / 1e6:.1f}M parameters in {len(layouts) - 1} blocks + root; master sharded over "
             f"{shards} rank(s) per node; device window {self.window} x {largest / 2**20:.1f} MiB in {compute}; "

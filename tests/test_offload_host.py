@@ -19,8 +19,8 @@ from tests.helpers import REPO
 def test_a_region_whose_registration_fails_stays_pageable_and_exactly_sized(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake_cudart(2, True))
     with pytest.warns(UserWarning, match="host-to-device copies from it use pageable memory"):
-        region, pinned = host.host_region(1000, torch.float32, pin=True)
-    assert region.numel() == 1000 and not pinned and not region.is_pinned()
+        region = host.HostRegion.empty(1000, torch.float32, pin=True)
+    assert region.tensor.numel() == 1000 and not region.pinned and not region.tensor.is_pinned()
 
 
 def fake_cudart(register_code: int, with_get_last_error: bool) -> types.SimpleNamespace:
@@ -144,7 +144,7 @@ def test_the_8b_offload_config_fits_a_128_gib_host_with_8_gib_to_spare_and_is_re
 
 def test_a_ring_hands_out_views_of_one_exact_region_and_takes_them_back():
     ring = host.BufferRing(3, 10, torch.float32, pin=False)
-    assert ring.region.numel() == 30  # one allocation of exactly count x numel
+    assert ring.region.tensor.numel() == 30  # one allocation of exactly count x numel
     taken = [ring.acquire(7) for _ in range(3)]
     assert [t.numel() for t in taken] == [7, 7, 7] and len({t.data_ptr() for t in taken}) == 3
     ring.release(taken[1])

@@ -27,7 +27,8 @@ r = 4 bytes per reduced gradient value):
   CPU the whole process: interpreter, libraries, data): measured peak minus the analytic sum.
 
 Per node on the host: SlideFSDP's buffers as ``offload.host_memory`` counts them for its preflight (14-18
-bytes per parameter, the gradient ring and offloaded activations; SlideFSDP's default float32 reduce), or FSDP2's 16 x P / shard group per process with ``cpu_offload``. On a CPU
+bytes per parameter, the gradient ring and offloaded activations; SlideFSDP's default float32 reduce), or
+FSDP2's 16 x P / shard group per process with ``cpu_offload``. On a CPU
 the device is the host, so a process's estimate also carries its share of the node's host bytes.
 """
 
@@ -162,12 +163,9 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
         working = (candidate.window * model.block_parameters + root) * p + (root + 2 * model.block_parameters) * REDUCE_BYTES
         processes = run.processes_per_node
         units = [UnitSize.of(model.block_parameters, processes)] * model.layers + [UnitSize.of(root, processes)]
-        setup = HostSetup(
-            compute_dtype=dtype, reduce_dtype=torch.float32, processes=processes,
-            full_staging=candidate.param_transfer == "full",
-            keep_gradients=run.clipping or run.batch_per_process > candidate.micro_batch,
-            incoming_full=candidate.grad_sync == "cpu_reduce", ring_size=max(2, candidate.window),
-            offloaded_activation_bytes=offloaded_activations)
+        keep = run.clipping or run.batch_per_process > candidate.micro_batch
+        setup = HostSetup.of_knobs(dtype, torch.float32, processes, candidate.param_transfer, candidate.grad_sync,
+                                   candidate.window, keep, offloaded_activations)
         host = sum(host_buffers(units, setup).values())
     else:
         states = ADAM_STATE_BYTES * model.parameters // shard_group(candidate, run.world_size)
