@@ -14,7 +14,7 @@ import torch
 from compress.dgc import DeepGradientCompression
 from compress.error_feedback import ErrorFeedback
 from compress.lowrank import LowRank
-from compress.onebit_adam import OneBitMomentum
+from compress.onebit_adam import OneBitMomentum, zero_one_momentum
 from compress.payload import Compressor
 from compress.powersgd import PowerSGD
 from compress.quantize import FP8, QSGD, CastBF16, CastFP16, IntQuant, NaturalCompression, OneBit, SignSGD
@@ -67,7 +67,13 @@ METHODS: dict[str, Method] = {
     "onebit_adam": Method(
         "1-bit Adam (replaces AdamW): AdamW for freeze_step steps, then local momenta as signs and a scale per chunk, "
         "error feedback built in, variance frozen",
-        {"freeze_step": 100, "chunk_size": 128}, OneBitMomentum, feedback=False,
+        {"freeze_step": 100, "chunk_size": 128, "bound": 1.0}, OneBitMomentum, feedback=False,
+    ),
+    "zero_one_adam": Method(
+        "0/1 Adam (replaces AdamW): variance updated by exact rounds at doubling intervals until var_freeze_step, 1-bit "
+        "momentum in between; then local rounds that send nothing and a 1-bit sync every 2, 4, ... local_step_clipper",
+        {"chunk_size": 128, "var_freeze_step": 200, "var_update_scaler": 2, "local_step_scaler": 100,
+         "local_step_clipper": 8, "bound": 1.0}, zero_one_momentum, feedback=False,
     ),
 }
 SPARSIFIERS = ("topk", "randomk", "thresholdv")
@@ -82,7 +88,7 @@ RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: methods whose own state holds a float32 residual per gradient element (error feedback built in)
 _BUILT_IN_RESIDUAL = ("powersgd", "sketch")
 #: methods with built-in error feedback whose state follows residual_dtype (a residual and a local momentum)
-_OWN_STATE_DTYPE = ("onebit_adam",)
+_OWN_STATE_DTYPE = ("onebit_adam", "zero_one_adam")
 
 
 @dataclass
@@ -91,7 +97,7 @@ class CompressionConfig:
 
     method: str = "none"
     """none, fp16, bf16, fp8, int8, qsgd, natural, topk, randomk, thresholdv, sketch, lowrank, powersgd, signsgd, onebit,
-    onebit_adam"""
+    onebit_adam, zero_one_adam"""
     error_feedback: bool = False
     """carry what compression dropped into the next step (biased methods only)"""
     quantize: str | None = None
@@ -103,9 +109,20 @@ class CompressionConfig:
     num_bits: int | None = None
     """int8: bits per value, 2 to 8"""
     chunk_size: int | None = None
-    """fp8, int8, qsgd, signsgd, onebit, onebit_adam: elements sharing one scale"""
+    """fp8, int8, qsgd, signsgd, onebit, onebit_adam, zero_one_adam: elements sharing one scale"""
     freeze_step: int | None = None
     """onebit_adam: AdamW steps, with uncompressed gradients, before the variance is frozen and momenta go as signs"""
+    bound: float | None = None
+    """onebit_adam, zero_one_adam: each coordinate's momentum over its frozen sqrt(v) is clipped to +-bound before it
+    is sent (what bounds a step once v no longer follows the gradients; 0: off)"""
+    var_freeze_step: int | None = None
+    """zero_one_adam: the step from which the variance stays frozen and rounds go local"""
+    var_update_scaler: int | None = None
+    """zero_one_adam: exact (variance) rounds at each interval before the interval doubles"""
+    local_step_scaler: int | None = None
+    """zero_one_adam: rounds at each local interval before it doubles"""
+    local_step_clipper: int | None = None
+    """zero_one_adam: the longest interval between syncs (1: every round syncs, as NO_SHARD and HYBRID_SHARD need)"""
     levels: int | None = None
     """qsgd: quantisation levels"""
     rescale: bool | None = None
@@ -204,15 +221,15 @@ class CompressionConfig:
         well (8, or 4); PowerSGD: a float32 residual and its warm-start Q, ``cols x rank`` per ``rows x cols``
         matrix (4 + 4 rank / rows, ``rows`` the smallest gradient matrix's: e.g. the hidden size); Sketched-SGD:
         a float32 residual (4); 1-bit Adam: a residual, a local momentum and a frozen denominator (12, or 6 in
-        bfloat16); anything without error feedback: 0. lowrank's per-chunk Q (about 4 rank / sqrt(n)
+        bfloat16); 0/1 Adam: the same and a period's accumulator (16, or 8); anything without error feedback: 0. lowrank's per-chunk Q (about 4 rank / sqrt(n)
         per element) is left out.
         """
         if self.method == "powersgd":
             return 4 + 4 * self.parameters()["rank"] / rows
         if self.method == "sketch":
             return 4
-        if self.method in _OWN_STATE_DTYPE:  # a residual, a local momentum and a frozen denominator
-            return 3 * RESIDUAL_DTYPES[self._residual_dtype()].itemsize
+        if self.method in _OWN_STATE_DTYPE:  # a residual, a local momentum, a frozen denominator (and an accumulator)
+            return self._own_state_tensors() * RESIDUAL_DTYPES[self._residual_dtype()].itemsize
         if not self.error_feedback:
             return 0
         residual = RESIDUAL_DTYPES[self._residual_dtype()].itemsize
@@ -230,9 +247,20 @@ class CompressionConfig:
             return 0
         if self.method in _OWN_STATE_DTYPE:  # local momenta, residuals and denominators where gradients enter, residuals after
             residual = RESIDUAL_DTYPES[self._residual_dtype()].itemsize
-            return int(3 * residual * parameters + residual * (parameters // shard) * (shard > 1 and replicas > 1))
+            return int(self._own_state_tensors() * residual * parameters
+                       + residual * (parameters // shard) * (shard > 1 and replicas > 1))
         elements = parameters * (shard > 1) + parameters // shard * (replicas > 1)
         return int(self.state_bytes_per_param(rows) * elements)
+
+    def check_replicas(self, replicas: int) -> None:
+        """0/1 Adam's local rounds need one owner per shard: refused where ``replicas`` > 1 hold each shard."""
+        if self.method == "zero_one_adam" and self.parameters()["local_step_clipper"] > 1 and replicas > 1:
+            raise ValueError(f"zero_one_adam: local rounds need one owner per shard, but {replicas} replicas share each "
+                             "shard (NO_SHARD or HYBRID_SHARD); set local_step_clipper: 1, or shard with FULL_SHARD")
+
+    def _own_state_tensors(self) -> int:
+        """Unsharded tensors per gradient element 1-bit Adam's hooks keep (0/1 Adam adds the period's accumulator)."""
+        return 4 if self.method == "zero_one_adam" and self.parameters()["local_step_clipper"] > 1 else 3
 
     def warmup(self) -> int:
         """Optimizer steps before the method reaches its steady state: 1-bit Adam's freeze, PowerSGD's start,
@@ -240,6 +268,8 @@ class CompressionConfig:
         parameters = self.parameters()
         if self.method == "onebit_adam":
             return parameters["freeze_step"]
+        if self.method == "zero_one_adam":  # its first rounds are all exact; later exact rounds count as compressed ones
+            return min(parameters["var_update_scaler"], parameters["var_freeze_step"])
         if self.method == "powersgd":
             return parameters["start_step"]
         return parameters.get("warmup_steps") or 0
@@ -276,17 +306,17 @@ def _build(name: str, parameters: dict[str, Any], rank: int) -> Compressor:
 
 def describe_methods() -> str:
     """A table of the methods, their parameters and defaults, for ``python -m lit_fsdp compressors``."""
-    lines = ["method      parameters (defaults)                         what"]
+    lines = [f"{'method':<13} {'parameters (defaults)':<45} what"]
     for name, method in METHODS.items():
         params = ", ".join(f"{k}={v}" for k, v in method.defaults.items()) or "-"
-        lines.append(f"{name:<11} {params:<45} {method.summary}")
+        lines.append(f"{name:<13} {params:<45} {method.summary}")
     lines.append("")
     lines.append("error_feedback: true for every method but none, qsgd, natural and rescaled randomk (unbiased) and "
-                 "powersgd, sketch and onebit_adam (built in)")
+                 "powersgd, sketch, onebit_adam and zero_one_adam (built in)")
     lines.append("topk with error_feedback: true and momentum, clip_norm or warmup_steps: Deep Gradient Compression")
     lines.append("residual_dtype: float32 | bfloat16 keeps error-feedback residuals (and DGC velocities, 1-bit Adam's "
                  "local momenta) in half the memory")
-    lines.append("onebit_adam replaces the model's AdamW (same parameter groups and learning-rate schedule)")
+    lines.append("onebit_adam and zero_one_adam replace the model's AdamW (same parameter groups and learning-rate schedule)")
     lines.append(f"param_all_gather: {' | '.join(PARAM_GATHER_METHODS)} quantises FSDP2's parameter all-gather")
     lines.append(f"composite: a sparsifier ({', '.join(SPARSIFIERS)}) with quantize: {' | '.join(QUANTIZERS)}")
     return "\n".join(lines)

@@ -96,6 +96,7 @@ class GradientCompression:
             module.set_custom_reduce_scatter(reduce_scatter)
             self._movers.append(reduce_scatter.mover)
         replicas = mesh["replicate"] if mesh.ndim == 2 else None
+        self.config.check_replicas(replicas.size() if replicas is not None else 1)
         if replicas is not None and replicas.size() > 1:
             group = replicas.get_group()
         elif shard.size() == 1 and onebit_adam:

@@ -31,10 +31,6 @@ from lit_fsdp.tune.memory import GIB, ModelShape, compute_dtype, estimate as dev
 from lit_fsdp.tune.space import Candidate
 from offload.host_memory import RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, with_runtime
 
-#: Host bytes the current SlideFSDP update moves per parameter, besides the gradient reads (``cpu_update_bytes``):
-#: AdamW's fp32 weight and two moments read and written, the master read again for the staging copy.
-ADAMW_STATE_BYTES = 4 * 3 * 2 + 4
-
 
 class _ConfigOnly(LitFsdpCLI):
     """The fit command's parser and classes (model, data, strategy) without a Trainer: no device is needed."""
@@ -147,17 +143,23 @@ def fsdp2_traffic(trainer: RunTrainer, candidate: Candidate, parameters: int, co
     return traffic
 
 
+def adamw_state_bytes(optimizer_state_dtype: torch.dtype) -> int:
+    """Host bytes SlideFSDP's AdamW moves per parameter besides the gradient reads: the fp32 weight and the two
+    moments (in ``optimizer_state_dtype``) read and written, and the master read again for the staging copy."""
+    return 4 * 2 + optimizer_state_dtype.itemsize * 2 * 2 + 4
+
+
 def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype, reduce_dtype: torch.dtype) -> int:
     """Host bytes SlideFSDP's CPU updates read and write per node per optimizer step, as implemented today.
 
     Per parameter: AdamW's fp32 weight and moments read and written and the staging copy rewritten from the
-    master (``ADAMW_STATE_BYTES`` + the compute dtype), and the gradient: read once for the non-finite check
+    master (``adamw_state_bytes`` + the compute dtype), and the gradient: read once for the non-finite check
     and once by AdamW, converted to fp32 first when it comes in another dtype, or accumulated into the kept
     fp32 buffer each micro-batch when gradients are kept.
     """
     strategy = trainer.strategy
     reduce = reduce_dtype.itemsize
-    per = ADAMW_STATE_BYTES + compute.itemsize
+    per = adamw_state_bytes(getattr(torch, strategy.optimizer_state_dtype)) + compute.itemsize
     if strategy.keeps_gradients(trainer):
         per += trainer.accumulate_grad_batches * (reduce + 8) + 4
     else:

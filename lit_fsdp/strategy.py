@@ -387,6 +387,8 @@ class FSDP2Strategy(CausalLMStrategy):
         if self.compression is not None:
             self.compression.build(rank=0)  # unknown method, out-of-range parameter: fail here
             self.compression.param_codec()
+            shape = self.mesh_shape(trainer.num_nodes * trainer.num_devices, trainer.num_nodes)
+            self.compression.check_replicas(shape[0] if len(shape) == 2 else 1)
         self.check_device_memory(trainer, module)
 
     def check_device_memory(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

@@ -37,6 +37,7 @@ class HostSetup:
 
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    optimizer_state_dtype: torch.dtype  # AdamW's exp_avg and exp_avg_sq
     processes: int  # ranks on the node; they shard the master rows between them
     full_staging: bool  # param_transfer: full (one full-layout copy per node), else each rank's shard
     keep_gradients: bool  # accumulation, clipping or skip_step: an fp32 gradient per unit until the step
@@ -45,10 +46,11 @@ class HostSetup:
     offloaded_activation_bytes: int = 0  # per rank: checkpointed block inputs kept on the host
 
     @classmethod
-    def of_knobs(cls, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, processes: int, param_transfer: str,
-                 grad_sync: str, window: int, keep_gradients: bool, offloaded_activation_bytes: int = 0) -> "HostSetup":
+    def of_knobs(cls, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, optimizer_state_dtype: torch.dtype,
+                 processes: int, param_transfer: str, grad_sync: str, window: int, keep_gradients: bool,
+                 offloaded_activation_bytes: int = 0) -> "HostSetup":
         """The setup SlideFSDP's knobs give (``offload.SlideFSDPStrategy`` and the tuner's candidates)."""
-        return cls(compute_dtype, reduce_dtype, processes, full_staging=param_transfer == "full",
+        return cls(compute_dtype, reduce_dtype, optimizer_state_dtype, processes, full_staging=param_transfer == "full",
                    keep_gradients=keep_gradients, incoming_full=grad_sync == "cpu_reduce",
                    ring_size=ring_size(window), offloaded_activation_bytes=offloaded_activation_bytes)
 
@@ -66,7 +68,7 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
     incoming = max(unit.shard_numel * (ranks if setup.incoming_full else 1) for unit in units)
     parts = {
         "master": ranks * shard * 4,
-        "adam_moments": full * 8,  # float32 exp_avg and exp_avg_sq of each rank's own rows
+        "adam_moments": full * 2 * setup.optimizer_state_dtype.itemsize,  # exp_avg and exp_avg_sq of each rank's rows
         "staging": (full if setup.full_staging else ranks * shard) * setup.compute_dtype.itemsize,
         "kept_gradients": ranks * shard * 4 if setup.keep_gradients else 0,
         "gradient_ring": ranks * setup.ring_size * incoming * setup.reduce_dtype.itemsize,

@@ -14,7 +14,7 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -42,6 +42,7 @@ from offload.state_dict import HostStateDict
 from offload.transfers import Transfers
 
 _GIB = 2**30
+OptimizerStateDType = Literal["float32", "bfloat16"]
 
 
 def available_host_bytes() -> int | None:
@@ -87,6 +88,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         reduce_dtype: DType = "float32",
         activation_checkpointing: int = 0,
         cpu_threads: int | None = None,
+        optimizer_state_dtype: OptimizerStateDType = "float32",
         pin_memory: bool = True,
         block_class: str | None = None,
         on_nonfinite: OnNonFinite = "stop",
@@ -104,11 +106,13 @@ class SlideFSDPStrategy(CausalLMStrategy):
             activation_offload: ``cpu`` keeps the inputs of checkpointed blocks in pinned host memory between
                 forward and backward (needs activation_checkpointing >= 1).
             param_dtype: Dtype of the weights on the device and of the compute; ``auto`` is bfloat16 on GPUs that
-                support it, else float32. Master weights and AdamW moments stay float32 on the host.
+                support it, else float32. Master weights stay float32 on the host (moments: ``optimizer_state_dtype``).
             reduce_dtype: Dtype the gradients are reduced and copied to the host in; ``auto`` follows ``param_dtype``.
             activation_checkpointing: Recompute the activations of every k-th block in backward; 0 turns it off.
             cpu_threads: Threads of this rank's CPU work (the AdamW updates); default: the cores this process may run
                 on (affinity, cgroup CPU quota) / processes per node, less one left to the thread that launches kernels.
+            optimizer_state_dtype: AdamW moments on the host; ``bfloat16`` halves them (8 -> 4 B/param; the update
+                still computes in float32, and the moments are rounded to nearest after it).
             pin_memory: Pin the host buffers that cross PCIe (GPU only); if pinning fails it is turned off with a warning.
             block_class: Class name of the transformer block; default: the model's ``_no_split_modules``.
             on_nonfinite: A step whose loss or gradients are not finite: ``stop`` the run before anything non-finite is
@@ -128,11 +132,14 @@ class SlideFSDPStrategy(CausalLMStrategy):
             )
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for usable cores / processes per node, less one")
+        if optimizer_state_dtype not in get_args(OptimizerStateDType):
+            raise ValueError(f"SlideFSDP optimizer_state_dtype={optimizer_state_dtype!r}: set it to float32 or bfloat16")
         self.window = window
         self.param_transfer = param_transfer
         self.grad_sync = grad_sync
         self.activation_offload = activation_offload
         self.cpu_threads = cpu_threads
+        self.optimizer_state_dtype = optimizer_state_dtype
         self.pin_memory = pin_memory
         self.engine: SlideEngine | None = None
         self.host: HostState | None = None
@@ -167,9 +174,9 @@ class SlideFSDPStrategy(CausalLMStrategy):
     def host_setup(self, trainer: pl.Trainer, activation_bytes: int = 0, compute: torch.dtype | None = None) -> HostSetup:
         """What decides this run's host buffers (``offload.host_memory``); ``compute`` overrides the resolved dtype."""
         compute = compute or self.resolve_dtype(self.param_dtype)
-        return HostSetup.of_knobs(compute, self.resolve_dtype(self.reduce_dtype, fallback=compute), trainer.num_devices,
-                                  self.param_transfer, self.grad_sync, self.window, self.keeps_gradients(trainer),
-                                  activation_bytes)
+        return HostSetup.of_knobs(compute, self.resolve_dtype(self.reduce_dtype, fallback=compute),
+                                  getattr(torch, self.optimizer_state_dtype), trainer.num_devices, self.param_transfer,
+                                  self.grad_sync, self.window, self.keeps_gradients(trainer), activation_bytes)
 
     def unit_sizes(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
         """Every unit's size (blocks, then the root) with ``shards`` ranks per node, from the model on the meta device."""
@@ -338,7 +345,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
         assert self.host is not None and self.engine is not None
         if self.adam is not None:
             self.adam.close()
-        self.adam = CpuAdam(self.host.layouts, self.host.master, self.optimizers[0], self.root_device)
+        self.adam = CpuAdam(self.host.layouts, self.host.master, self.optimizers[0], self.root_device,
+                            getattr(torch, self.optimizer_state_dtype))
         self.engine.gradients.adam = self.adam
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -21,8 +21,8 @@ import torch
 
 from compress.config import METHODS, CompressionConfig
 
-# Methods that are communicators rather than tensor codecs, or need no codec (onebit_adam's codec is signsgd's).
-SKIPPED = {"none", "powersgd", "onebit_adam"}
+# Methods that are communicators rather than tensor codecs, or need no codec (onebit_adam and zero_one_adam use signsgd's codec).
+SKIPPED = {"none", "powersgd", "onebit_adam", "zero_one_adam"}
 
 
 def sync(device: torch.device) -> None:

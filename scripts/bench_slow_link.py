@@ -66,8 +66,10 @@ CONFIGS = REPO / "configs"
 METHODS = {"none": CONFIGS / "baseline.yaml"} | {
     p.stem: p for p in sorted(CONFIGS.glob("*.yaml")) if "compression:" in p.read_text() and p.stem != "baseline"
 }
-# The methods' dense warm-ups (PowerSGD's start_step, DGC's density warm-up) set to 0: the steps timed are compressed.
-STEADY_STATE = {"start_step": "0", "warmup_steps": "0"}
+# The methods' dense warm-ups cut to what they cannot go below, so that the steps timed are compressed ones: PowerSGD's
+# start_step and DGC's density warm-up to 0; 1-bit Adam's freeze and 0/1 Adam's variance freeze after the first step,
+# and 0/1 Adam's periods doubling every round up to local_step_clipper (local rounds and a sync per period).
+STEADY_STATE = {"start_step": "0", "warmup_steps": "0", "freeze_step": "1", "var_freeze_step": "1", "local_step_scaler": "1"}
 # Environment that would make Lightning pick another cluster environment or another rank layout.
 FOREIGN_ENV = ("RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 FOREIGN_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "LSB_", "TORCHELASTIC_")

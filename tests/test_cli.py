@@ -68,9 +68,12 @@ def test_quickstart_resolves_to_synthetic_data_on_two_cpu_processes(capsys):
           "{num_hidden_layers: 256}"], "of host memory per node"),
         (["--data", "lit_fsdp.data.wikipedia.WikipediaDataModule", "--data.train_path", "tiny.jsonl",
           "--data.vocab_size", "300", "--data.seq_len", "500", "--trainer.devices", "1"], "use a shorter --data.seq_len"),
+        (["--trainer.strategy.init_args.sharding", "NO_SHARD", "--trainer.strategy.init_args.compression",
+          "{method: zero_one_adam}"], "zero_one_adam: local rounds need one owner per shard, but 2 replicas"),
     ],
     ids=["unknown-preset", "mesh", "missing-file", "other-strategy", "seq-len-vs-model", "offload-window",
-         "offload-activations-without-checkpointing", "offload-shard-alone", "offload-host-memory", "seq-len-vs-data"],
+         "offload-activations-without-checkpointing", "offload-shard-alone", "offload-host-memory", "seq-len-vs-data",
+         "local-rounds-with-replicas"],
 )
 def test_bad_input_fails_with_one_line(tmp_path, args, message):
     (tmp_path / "tiny.jsonl").write_text('{"id": "1", "title": "Tiny", "text": "Only a few words of text."}\n')

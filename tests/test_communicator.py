@@ -68,8 +68,9 @@ def local_estimate(config: dict, world: int, destination: int) -> torch.Tensor:
 
 
 # PowerSGD and Sketched-SGD bring their own communicators: tests/test_powersgd.py, tests/test_sketched_sgd.py;
-# 1-bit Adam's hooks compress momenta, not the gradient given: tests/test_onebit_adam.py
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("none", "powersgd", "sketch", "onebit_adam")])
+# 1-bit and 0/1 Adam's hooks compress momenta, not the gradient given: tests/test_onebit_adam.py, test_zero_one_adam.py
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("none", "powersgd", "sketch", "onebit_adam",
+                                                                   "zero_one_adam")])
 def test_every_method_reduce_scatters_exactly_the_rank_ordered_sum_of_decoded_payloads(tmp_path, method):
     config = {"method": method, **({"ratio": 0.3} if method in ("topk", "randomk") else {})}
     for rank, per_op in enumerate(run(both_ops, tmp_path, config)):

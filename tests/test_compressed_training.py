@@ -46,8 +46,8 @@ EARLY_START = {"powersgd": ["--trainer.strategy.init_args.compression.start_step
 # Configs whose path another run here already takes (CI time): fp16 trains in the replicate tests below,
 # topk10_int8 is topk_int8 at another ratio, onebit and natural go through the same all-to-all as
 # signsgd and qsgd (every method's hook runs on 2 processes in test_communicator.py), thresholdv_density
-# trains in the resume test below, and onebit_adam in tests/test_onebit_adam.py.
-SAME_PATH = {"fp16", "topk10_int8", "onebit", "natural", "thresholdv_density", "onebit_adam"}
+# trains in the resume test below, onebit_adam and zero_one_adam in tests/test_onebit_adam*.py and test_zero_one_adam.py.
+SAME_PATH = {"fp16", "topk10_int8", "onebit", "natural", "thresholdv_density", "onebit_adam", "zero_one_adam"}
 
 
 # |loss - baseline loss| allowed at the last step, measured on CPU (torch 2.13) with margin. A codec that sends zeros

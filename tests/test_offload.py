@@ -183,3 +183,10 @@ def test_layout_round_trips_uneven_rows_through_rank_major_buffers(shards):
             assert got.shape == place.local_shape
         for got, want in zip(layout.local_rows_in_full(full), layout.local_views(shard)):
             torch.testing.assert_close(got, want)
+
+
+def test_bfloat16_moments_train_on_two_processes(tmp_path):
+    got = fit(tmp_path, *common(2, 1, clip=False), *SLIDE, *knobs(optimizer_state_dtype="bfloat16"), steps=STEPS)
+    losses = got["train/loss"]
+    assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < losses[0] - 0.1, losses

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import types
 
@@ -161,3 +162,120 @@ def test_a_dev_shm_too_small_for_the_shared_staging_copy_is_refused_before_launc
         strategy.check_host_memory(trainer, module, data, available=512 * GIB)
     trainer.num_devices = 1  # one process keeps its staging copy in private memory
     strategy.check_host_memory(trainer, module, data, available=512 * GIB)
+
+
+def test_the_8b_offload_config_with_bfloat16_moments_needs_under_12_gb_per_billion_parameters():
+    from lit_fsdp.estimate import cpu_update_bytes
+
+    strategy, trainer, module, data = _llama_8b_offload()
+    strategy.optimizer_state_dtype = "bfloat16"
+    parts = strategy.check_host_memory(trainer, module, data, available=128 * GIB)
+    assert round(parts["adam_moments"] / GIB, 1) == 29.9 and round(sum(parts.values()) / GIB, 1) == 89.6
+    parameters = parts["adam_moments"] // 4
+    assert sum(parts.values()) / parameters < 12  # GB per billion, the runtime allowance included (float32: 16.0)
+    # the update moves 30 B/param instead of 38: the moments are read and written in 2 bytes each instead of 4
+    trainer.strategy = strategy
+    assert cpu_update_bytes(trainer, parameters, torch.bfloat16, torch.float32) == parameters * 30
+
+
+def _unit(shapes: list[tuple[int, ...]], shards: int = 1, shard_rank: int = 0):
+    """Parameters of ``shapes``, their unit layout and this rank's master rows (a copy of the parameters' rows)."""
+    from compress.layout import UnitLayout
+
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    layout = UnitLayout.build("unit", [((f"p{i}",), p) for i, p in enumerate(params)], shards, shard_rank)
+    master = torch.zeros(layout.shard_numel)
+    for rows, place in zip(layout.local_views(master), layout.places):
+        rows.copy_(place.param.detach()[place.start_row : place.stop_row])
+    return params, layout, master
+
+
+@pytest.mark.parametrize("gradient_dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_moments_follow_adamw_in_float64_within_bfloat16_rounding(monkeypatch, gradient_dtype):
+    monkeypatch.setattr(cpu_adam, "CHUNK", 1000)  # the 2500-element matrix spans 3 chunks, the last one partial
+    torch.manual_seed(0)
+    params, layout, master = _unit([(25, 100), (70,)])
+
+    def groups(weights: list) -> list[dict]:  # weight decay on the matrix, none on the vector
+        return [{"params": [weights[0]], "weight_decay": 0.1}, {"params": [weights[1]], "weight_decay": 0.0}]
+
+    adam = cpu_adam.CpuAdam([layout], [master], torch.optim.AdamW(groups(params), lr=1e-2, betas=(0.9, 0.95)),
+                            state_dtype=torch.bfloat16)
+    exact = [torch.nn.Parameter(p.detach().double().clone()) for p in params]
+    reference = torch.optim.AdamW(groups(exact), lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    for _ in range(5):
+        gradients = [torch.randn(p.shape).to(gradient_dtype) for p in params]
+        adam.update(0, gradients)
+        for p, gradient in zip(exact, gradients):
+            p.grad = gradient.double()
+        reference.step()
+    adam.close()
+    for piece, p, initial in zip(adam.pieces[0], exact, params):
+        state, want = adam.optimizers[0].state[piece], reference.state[p]
+        assert {k: (v.shape, v.dtype) for k, v in state.items()} == {
+            "step": (torch.Size([]), torch.float32), "exp_avg": (p.shape, torch.bfloat16), "exp_avg_sq": (p.shape, torch.bfloat16)}
+        assert state["step"].item() == 5
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[key].double(), want[key], rtol=2e-2, atol=1e-3)
+        # 5 steps of about lr (1e-2) each, off by at most 1.3e-4 from the moments' rounding; a missed weight decay
+        # (5e-3 x the weight) or bias correction (x10 in the first step) is far outside this
+        torch.testing.assert_close((piece.detach() - initial.detach()).double(), p.detach() - initial.detach().double(),
+                                   rtol=0, atol=4e-4)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_the_host_accounting_of_the_moments_is_what_cpu_adam_allocates(state_dtype):
+    from offload.host_memory import HostSetup, UnitSize, host_buffers
+
+    shapes = [[(5, 3), (7,)], [(9, 2), (1, 4)]]  # uneven rows over 2 ranks: rank 1 holds fewer of them
+    allocated = 0
+    for rank in (0, 1):
+        units = [_unit(unit, shards=2, shard_rank=rank) for unit in shapes]
+        layouts, masters = [layout for _, layout, _ in units], [master for _, _, master in units]
+        held = torch.optim.AdamW([p for params, _, _ in units for p in params])
+        adam = cpu_adam.CpuAdam(layouts, masters, held, state_dtype=state_dtype)
+        allocated += adam.nbytes()
+        adam.close()
+    setup = HostSetup.of_knobs(torch.float32, torch.float32, state_dtype, 2, "full", "gpu_reduce", 2, False)
+    counted = host_buffers([UnitSize(layout.full_numel, layout.shard_numel) for layout in layouts], setup)
+    assert counted["adam_moments"] == allocated == sum(n for unit in shapes for n in map(math.prod, unit)) * 2 * state_dtype.itemsize
+
+
+def test_a_bad_optimizer_state_dtype_and_amsgrad_with_bfloat16_moments_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"^SlideFSDP optimizer_state_dtype='float16': set it to float32 or bfloat16$"):
+        SlideFSDPStrategy(optimizer_state_dtype="float16")
+    held = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), amsgrad=True)
+    with pytest.raises(ValueError, match=r"^SlideFSDP's bfloat16 optimizer state has no amsgrad: set amsgrad=False "
+                                         r"in configure_optimizers or optimizer_state_dtype: float32$"):
+        cpu_adam.CpuAdam([], [], held, state_dtype=torch.bfloat16)
+
+
+def _save_then_resume_with_other_moments(rank: int, world: int, folder: str) -> list[dict]:
+    """The state of a piece after 2 steps with float32 moments, saved, and after loading that into bfloat16 moments."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from offload.state_dict import HostStateDict
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    params, layout, master = _unit([(6, 5), (6,)])
+    host_state = HostStateDict(torch.nn.ParameterList(params), [layout], [master], mesh)
+    held = torch.optim.AdamW(params)
+    saved = cpu_adam.CpuAdam([layout], [master], held)
+    for _ in range(2):
+        saved.update(0, [torch.randn(p.shape) for p in params])
+    dcp.save({"optimizer_0": host_state.optimizer_state(saved)}, checkpoint_id=folder)
+    resumed = cpu_adam.CpuAdam([layout], [master], held, state_dtype=torch.bfloat16)
+    dcp.load({"optimizer_0": host_state.optimizer_state(resumed)}, checkpoint_id=folder)
+    for adam in (saved, resumed):
+        adam.close()
+    return [adam.optimizers[0].state[adam.pieces[0][0]] for adam in (saved, resumed)]
+
+
+def test_a_checkpoint_of_float32_moments_resumes_with_bfloat16_moments_rounded_to_nearest(tmp_path):
+    from tests.distributed import run
+
+    ((saved, loaded),) = run(_save_then_resume_with_other_moments, tmp_path, str(tmp_path / "ckpt"), world=1)
+    assert loaded["exp_avg"].dtype == torch.bfloat16 and loaded["step"].item() == saved["step"].item() == 2
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(loaded[key], saved[key].bfloat16())  # rounded to nearest on the way in

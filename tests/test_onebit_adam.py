@@ -90,7 +90,7 @@ def test_after_the_freeze_the_step_is_the_carried_plus_delivered_momentum_over_t
 
 def test_error_feedback_makes_the_applied_momentum_converge_to_the_true_average():
     """Two ranks' hooks: the sum over steps of what the owner applies tracks the sum of the true averaged momenta."""
-    ranks = [_frozen(OneBitMomentum(chunk_size=64, freeze_step=1), {"unit0/0": torch.ones(1000)}) for _ in range(2)]
+    ranks = [_frozen(OneBitMomentum(chunk_size=64, freeze_step=1, bound=0), {"unit0/0": torch.ones(1000)}) for _ in range(2)]
     generator = torch.Generator().manual_seed(0)
     drift = torch.randn(1000, generator=generator)
     applied_sum = true_sum = torch.zeros(1000)

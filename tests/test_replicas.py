@@ -39,6 +39,8 @@ def cases(hybrid: bool) -> dict[str, CompressionConfig]:
     found["powersgd"] = CompressionConfig(method="powersgd", start_step=2)  # compressed from step 3 of 12
     found["onebit_adam"] = CompressionConfig(method="onebit_adam", freeze_step=4)  # 1-bit Adam from step 5 of 12
     found["onebit_adam+bf16"] = CompressionConfig(method="onebit_adam", freeze_step=4, residual_dtype="bfloat16")
+    # 0/1 Adam with replicas: exact rounds 0, 1, 3, 5, 1-bit ones between and after (local rounds are refused there)
+    found["zero_one_adam"] = CompressionConfig(method="zero_one_adam", var_freeze_step=6, local_step_clipper=1)
     found["topk+int8"] = CompressionConfig(method="topk", quantize="int8")
     found["thresholdv+int8"] = CompressionConfig(method="thresholdv", quantize="int8")
     found["thresholdv+density"] = CompressionConfig(method="thresholdv", density=0.01, error_feedback=True)

@@ -41,6 +41,7 @@ BUDGETS: dict[str, int] = {
     "thresholdv+int8": 1,  # the same kept counts; the int8 values of a known count add no read
     "thresholdv+density": 1,  # the same; its thresholds follow the scale on the device, corrected from the counts read
     "topk+int8": 0,
+    "zero_one_adam+sync": 0,
     "topk+ef": 0,
     "topk+dgc": 0,
     "param_all_gather=int8": 0,
@@ -145,6 +146,13 @@ def budget_cases(sharding: str) -> dict[str, CompressionConfig]:
     found = {name: CompressionConfig(method=name) for name in METHODS if name != "none"}
     found["powersgd"] = CompressionConfig(method="powersgd", start_step=1)  # compressing by the step counted
     found["onebit_adam"] = CompressionConfig(method="onebit_adam", freeze_step=1)  # the same
+    # 0/1 Adam: an exact round, then (FULL_SHARD) a sync and, at the measured step, a local round; with replicas,
+    # where local rounds are refused, 1-bit rounds. "+sync": every measured round a sync.
+    local = 2 if sharding == "FULL_SHARD" else 1
+    found["zero_one_adam"] = CompressionConfig(method="zero_one_adam", var_freeze_step=1, var_update_scaler=1,
+                                               local_step_scaler=1, local_step_clipper=local)
+    found["zero_one_adam+sync"] = CompressionConfig(method="zero_one_adam", var_freeze_step=1, var_update_scaler=1,
+                                                    local_step_scaler=100, local_step_clipper=local)
     found["topk+int8"] = CompressionConfig(method="topk", quantize="int8")
     found["thresholdv+int8"] = CompressionConfig(method="thresholdv", quantize="int8")
     found["thresholdv+density"] = CompressionConfig(method="thresholdv", density=0.01, error_feedback=True)

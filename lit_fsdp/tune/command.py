@@ -133,7 +133,8 @@ def run_shape(trainer: pl.Trainer, module: Any, data: Any, hardware: Hardware) -
     run = RunShape(world_size=trainer.num_nodes * trainer.num_devices, nodes=trainer.num_nodes, accelerator=accelerator,
                    seq_len=data.seq_len, batch_per_process=data.batch_size * trainer.accumulate_grad_batches,
                    clipping=bool(trainer.gradient_clip_val),
-                   loss_chunk_tokens=getattr(module.hparams, "loss_chunk_tokens", 0))
+                   loss_chunk_tokens=getattr(module.hparams, "loss_chunk_tokens", 0),
+                   optimizer_state_dtype=getattr(trainer.strategy, "optimizer_state_dtype", "float32"))
     if accelerator != hardware.accelerator:
         raise ValueError(f"the configs train on {accelerator} but the hardware is {hardware.accelerator}; "
                          "fix --trainer.accelerator or the hardware file's accelerator")

@@ -164,8 +164,9 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
         processes = run.processes_per_node
         units = [UnitSize.of(model.block_parameters, processes)] * model.layers + [UnitSize.of(root, processes)]
         keep = run.clipping or run.batch_per_process > candidate.micro_batch
-        setup = HostSetup.of_knobs(dtype, torch.float32, processes, candidate.param_transfer, candidate.grad_sync,
-                                   candidate.window, keep, offloaded_activations)
+        setup = HostSetup.of_knobs(dtype, torch.float32, getattr(torch, run.optimizer_state_dtype), processes,
+                                   candidate.param_transfer, candidate.grad_sync, candidate.window, keep,
+                                   offloaded_activations)
         host = sum(host_buffers(units, setup).values())
     else:
         states = ADAM_STATE_BYTES * model.parameters // shard_group(candidate, run.world_size)

@@ -41,6 +41,7 @@ class RunShape:
     batch_per_process: int  # micro-batch x gradient accumulation
     clipping: bool
     loss_chunk_tokens: int = 0  # the model's chunked loss (lit_fsdp.loss); 0: the plain loss
+    optimizer_state_dtype: str = "float32"  # SlideFSDP's AdamW moments on the host (the configs' SlideFSDP knob)
 
     @property
     def processes_per_node(self) -> int:
