@@ -154,8 +154,8 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
 
     Per parameter: AdamW's fp32 weight and moments read and written and the staging copy rewritten from the
     master (``adamw_state_bytes`` + the compute dtype), and the gradient: read once for the non-finite check
-    and once by AdamW, converted to fp32 first when it comes in another dtype, or accumulated into the kept
-    fp32 buffer each micro-batch when gradients are kept.
+    and once by AdamW in the dtype it arrives in (a bfloat16 one is widened chunk by chunk in cache), or
+    accumulated into the kept fp32 buffer each micro-batch when gradients are kept.
     """
     strategy = trainer.strategy
     reduce = reduce_dtype.itemsize
@@ -163,7 +163,7 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
     if strategy.keeps_gradients(trainer):
         per += trainer.accumulate_grad_batches * (reduce + 8) + 4
     else:
-        per += reduce + (reduce + 4 + 4 if reduce != 4 else 0)
+        per += reduce
     if strategy.on_nonfinite != "warn" and not strategy.defers_updates(trainer):
         per += reduce  # each unit is checked before it is updated
     return parameters * per

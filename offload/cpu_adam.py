@@ -8,8 +8,8 @@ with one group per group of the held optimizer; before every update the learning
 hyperparameters are copied from the held optimizer, so the LR scheduler drives the CPU updates.
 Moments are allocated at setup, so host memory is claimed before training starts.
 
-With bfloat16 moments (``optimizer_state_dtype``) the same AdamW holds the groups and the state, but the
-update is ``adamw_step_in_chunks``: torch's fused AdamW kernel over cache-sized chunks, on float32 copies of
+With bfloat16 moments (``optimizer_state_dtype``) or gradients the same AdamW holds the groups and the state,
+but the update is ``adamw_step_in_chunks``: torch's fused AdamW kernel over cache-sized chunks, on float32 copies of
 the moments read from and rounded back to bfloat16, the gradient in whatever dtype it arrives.
 """
 
@@ -35,11 +35,10 @@ CHUNK = 262_144
 def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: dict,
                          scratch: torch.Tensor) -> None:
     """One torch.optim.AdamW step of ``param`` (float32), ``scratch.shape[1]`` elements at a time, each chunk by
-    torch's fused CPU AdamW kernel on float32 copies of its moments (and of its gradient, if that is not float32).
-
-    The moments in ``state`` keep their dtype (bfloat16: rounded to nearest on the way back); decoupled weight
-    decay, bias correction and the arithmetic are AdamW's own. ``scratch`` is 3 float32 rows: the two moments
-    and the gradient.
+    torch's fused CPU AdamW kernel, on float32 copies of what is not float32: a bfloat16 gradient (so that it is
+    read as it arrived, not converted in a pass of its own) and bfloat16 moments (rounded to nearest on the way
+    back). Decoupled weight decay, bias correction and the arithmetic are AdamW's own. ``scratch`` is 3 float32
+    rows: the two moments and the gradient.
     """
     chunk_step = torch.empty_like(state["step"])
     param, grad = param.view(-1), grad.reshape(-1)
@@ -47,19 +46,21 @@ def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[st
     beta1, beta2 = (float(beta) for beta in group["betas"])
     hyperparameters = {"amsgrad": False, "maximize": False, "beta1": beta1, "beta2": beta2, "lr": float(group["lr"]),
                        "weight_decay": float(group["weight_decay"]), "eps": float(group["eps"])}
-    chunk = scratch.shape[1]
+    chunk, copied = scratch.shape[1], exp_avg.dtype != torch.float32
     for start in range(0, param.numel(), chunk):
         end = min(start + chunk, param.numel())
         n = end - start
         g = grad[start:end]
         if g.dtype != torch.float32:
             g = scratch[2, :n].copy_(g)
-        m = scratch[0, :n].copy_(exp_avg[start:end])
-        v = scratch[1, :n].copy_(exp_avg_sq[start:end])
+        m, v = exp_avg[start:end], exp_avg_sq[start:end]
+        if copied:
+            m, v = scratch[0, :n].copy_(m), scratch[1, :n].copy_(v)
         chunk_step.copy_(state["step"])  # the kernel counts the step in it: every chunk takes the same one
         adamw([param[start:end]], [g], [m], [v], [], [chunk_step], fused=True, **hyperparameters)
-        exp_avg[start:end].copy_(m)
-        exp_avg_sq[start:end].copy_(v)
+        if copied:
+            exp_avg[start:end].copy_(m)
+            exp_avg_sq[start:end].copy_(v)
     state["step"] += 1
 
 
@@ -78,8 +79,8 @@ class CpuAdam:
                 raise ValueError(f"SlideFSDP's bfloat16 optimizer state has no {option}: set {option}=False in "
                                  "configure_optimizers or optimizer_state_dtype: float32")
         self.held, self.state_dtype = held, state_dtype
-        # the chunked update's float32 temporaries, used by the worker thread only (one update at a time)
-        self._scratch = torch.empty(3, CHUNK) if state_dtype != torch.float32 else None
+        # the chunked update's float32 copies, used by the worker thread only (one update at a time)
+        self._scratch = torch.empty(3, CHUNK)
         group_of = {id(p): index for index, group in enumerate(held.param_groups) for p in group["params"]}
         self.pieces: list[list[nn.Parameter]] = []
         self.optimizers: list[torch.optim.AdamW] = []
@@ -133,7 +134,7 @@ class CpuAdam:
         optimizer, pieces = self.optimizers[unit], self.pieces[unit]
         for group in optimizer.param_groups:
             group.update(self._hyperparameters(group["held_group"]))
-        if self._scratch is None:
+        if self.state_dtype == torch.float32 and all(gradient.dtype == torch.float32 for gradient in gradients):
             for piece, gradient in zip(pieces, gradients):
                 piece.grad = gradient
             optimizer.step()

@@ -136,9 +136,7 @@ class GradientPipeline:
             if update_now:
                 self.update(unit)
             return
-        if shard.dtype != torch.float32:
-            shard = self.host.scratch[: layout.shard_numel].copy_(shard)
-        self._step(unit, shard)
+        self._step(unit, shard)  # a bfloat16 gradient is read as it is, chunk by chunk (offload.cpu_adam)
 
     def update(self, unit: int) -> None:
         """Apply the kept gradient of ``unit`` (worker thread or idle worker)."""

@@ -217,10 +217,6 @@ class HostState:
         self.gradients = [torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=False) for layout in layouts] if keep_gradients else None
         largest = max(layout.shard_numel * (layout.shards if incoming_full else 1) for layout in layouts)
         self.incoming = BufferRing(ring_size, largest, reduce_dtype, pin)
-        # Without a kept buffer, gradients in another dtype than fp32 are converted here before the update.
-        self.scratch = None if keep_gradients or reduce_dtype == torch.float32 else torch.empty(
-            max(layout.shard_numel for layout in layouts), dtype=torch.float32
-        )
 
     def write_staging(self, unit: int) -> None:
         """Copy this rank's master rows of ``unit`` into the staging copy, in the compute dtype."""
@@ -244,7 +240,6 @@ class HostState:
             "staging": nbytes(self.staging) if self.shared is None or count_shared else 0,
             "kept_gradients": nbytes(self.gradients),
             "gradient_ring": self.incoming.region.nbytes,
-            "scratch": nbytes([self.scratch] if self.scratch is not None else []),
         }
 
     def close(self) -> None:

@@ -72,9 +72,6 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
         "staging": (full if setup.full_staging else ranks * shard) * setup.compute_dtype.itemsize,
         "kept_gradients": ranks * shard * 4 if setup.keep_gradients else 0,
         "gradient_ring": ranks * setup.ring_size * incoming * setup.reduce_dtype.itemsize,
-        # gradients in another dtype than fp32 are converted before the update when no kept buffer holds them
-        "scratch": ranks * max(u.shard_numel for u in units) * 4
-        if not setup.keep_gradients and setup.reduce_dtype != torch.float32 else 0,
         "activations": ranks * setup.offloaded_activation_bytes,
     }
     return parts

@@ -85,7 +85,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         grad_sync: Literal["gpu_reduce", "cpu_reduce"] = "gpu_reduce",
         activation_offload: Literal["none", "cpu"] = "none",
         param_dtype: DType = "auto",
-        reduce_dtype: DType = "float32",
+        reduce_dtype: DType = "auto",
         activation_checkpointing: int = 0,
         cpu_threads: int | None = None,
         optimizer_state_dtype: OptimizerStateDType = "float32",
@@ -102,12 +102,14 @@ class SlideFSDPStrategy(CausalLMStrategy):
             param_transfer: ``full``: every rank copies whole blocks host-to-device (the node keeps one staging
                 copy in shared memory); ``shard``: every rank copies its 1/N and the devices all-gather the rest.
             grad_sync: ``gpu_reduce``: reduce-scatter on the devices, each rank copies its 1/N of the gradients to
-                the host; ``cpu_reduce``: whole gradients to the host, all-reduced there with gloo.
+                the host; ``cpu_reduce``: whole gradients to the host, all-reduced there with gloo (CPU runs only: on
+                GPUs it cannot pay for its traffic and is refused before launch).
             activation_offload: ``cpu`` keeps the inputs of checkpointed blocks in pinned host memory between
                 forward and backward (needs activation_checkpointing >= 1).
             param_dtype: Dtype of the weights on the device and of the compute; ``auto`` is bfloat16 on GPUs that
                 support it, else float32. Master weights stay float32 on the host (moments: ``optimizer_state_dtype``).
-            reduce_dtype: Dtype the gradients are reduced and copied to the host in; ``auto`` follows ``param_dtype``.
+            reduce_dtype: Dtype the gradients are reduced and copied to the host in; ``auto`` (default) follows
+                ``param_dtype``: bfloat16 on GPUs halves the device-to-host bytes, and the CPU update reads it as it is.
             activation_checkpointing: Recompute the activations of every k-th block in backward; 0 turns it off.
             cpu_threads: Threads of this rank's CPU work (the AdamW updates); default: the cores this process may run
                 on (affinity, cgroup CPU quota) / processes per node, less one left to the thread that launches kernels.
@@ -168,6 +170,12 @@ class SlideFSDPStrategy(CausalLMStrategy):
             raise ValueError(
                 "SlideFSDP param_transfer: shard all-gathers each block across the devices of a node, but there is "
                 "one process per node; use param_transfer: full or more --trainer.devices"
+            )
+        if self.grad_sync == "cpu_reduce" and self.root_device.type == "cuda" and trainer.num_nodes * trainer.num_devices > 1:
+            raise ValueError(
+                "SlideFSDP grad_sync: cpu_reduce copies every rank's whole gradients to the host and all-reduces them there "
+                "with gloo over TCP (at 8B, 32 GB per rank per step: tens of seconds), where NCCL's reduce-scatter on the "
+                "GPUs sends each rank only its 1/N; use grad_sync: gpu_reduce"
             )
         self.check_host_memory(trainer, module, datamodule)
 

@@ -1,8 +1,9 @@
 """How fast one rank's CPU AdamW update runs: ns and bytes per parameter, float32 moments against bfloat16 moments.
 
 Each row times ``offload.cpu_adam.CpuAdam.update`` (what SlideFSDP's worker thread runs per unit) on one
-unit of ``--numel`` parameters: torch's fused AdamW with float32 moments, and the chunked update with
-bfloat16 moments fed a float32 or a bfloat16 gradient. The median of ``--repeats`` updates after one
+unit of ``--numel`` parameters: torch's fused AdamW with float32 moments and gradient, and the chunked update
+(the same kernel per cache-sized chunk) with float32 moments and a bfloat16 gradient (SlideFSDP's default on
+GPUs) or bfloat16 moments fed a float32 or a bfloat16 gradient. The median of ``--repeats`` updates after one
 warm-up is reported, with the host bytes the pass reads and writes by construction: the gradient read,
 the float32 master read and written, each moment read and written (the chunked update's float32
 temporaries stay in cache and are not counted). One JSON line per row and thread count goes to ``--out``.
@@ -27,6 +28,7 @@ from offload.cpu_adam import CHUNK, CpuAdam
 
 ROWS = [  # (row, moments dtype, gradient dtype)
     ("fp32 moments, fused AdamW, fp32 grad", torch.float32, torch.float32),
+    ("fp32 moments, chunked, bf16 grad", torch.float32, torch.bfloat16),
     ("bf16 moments, chunked, fp32 grad", torch.bfloat16, torch.float32),
     ("bf16 moments, chunked, bf16 grad", torch.bfloat16, torch.bfloat16),
 ]

@@ -60,6 +60,19 @@ def test_the_refusal_comes_in_preflight_before_any_worker_starts():
         strategy.preflight(trainer, module=None)
 
 
+def test_cpu_reduce_on_gpus_is_refused_in_preflight_and_allowed_on_one_gpu_or_on_cpu():
+    strategy = on(GPU, SlideFSDPStrategy(grad_sync="cpu_reduce"))
+    with pytest.raises(ValueError, match="grad_sync: cpu_reduce copies every rank's whole gradients.*use grad_sync: gpu_reduce"):
+        strategy.preflight(SimpleNamespace(num_nodes=1, num_devices=2), module=None)
+    checked = []
+    for device, trainer in ((GPU, SimpleNamespace(num_nodes=1, num_devices=1)),
+                            (torch.device("cpu"), SimpleNamespace(num_nodes=1, num_devices=2))):
+        allowed = on(device, SlideFSDPStrategy(grad_sync="cpu_reduce"))
+        allowed.check_host_memory = lambda *args: checked.append(args)  # the next check: reached means not refused
+        allowed.preflight(trainer, module=None)
+    assert len(checked) == 2
+
+
 def emulated_bf16(including_emulation: bool = True) -> bool:
     """A V100's answer: bf16 "works" (emulated, slower than fp32) but not in hardware."""
     return including_emulation
