@@ -72,8 +72,8 @@ METHODS: dict[str, Method] = {
     "zero_one_adam": Method(
         "0/1 Adam (replaces AdamW): variance updated by exact rounds at doubling intervals until var_freeze_step, 1-bit "
         "momentum in between; then local rounds that send nothing and a 1-bit sync every 2, 4, ... local_step_clipper",
-        {"chunk_size": 128, "var_freeze_step": 200, "var_update_scaler": 2, "local_step_scaler": 100,
-         "local_step_clipper": 8, "bound": 1.0}, zero_one_momentum, feedback=False,
+        {"chunk_size": 128, "var_freeze_step": 64, "var_update_scaler": 1, "local_step_scaler": 25,
+         "local_step_clipper": 16, "bound": 1.0}, zero_one_momentum, feedback=False,
     ),
 }
 SPARSIFIERS = ("topk", "randomk", "thresholdv")

@@ -283,8 +283,8 @@ class OneBitMomentum:
         self.denominators = {}
 
 
-def zero_one_momentum(chunk_size: int = 128, var_freeze_step: int = 200, var_update_scaler: int = 2,
-                      local_step_scaler: int = 100, local_step_clipper: int = 8, bound: float = 1.0,
+def zero_one_momentum(chunk_size: int = 128, var_freeze_step: int = 64, var_update_scaler: int = 1,
+                      local_step_scaler: int = 25, local_step_clipper: int = 16, bound: float = 1.0,
                       state_dtype: torch.dtype = torch.float32) -> OneBitMomentum:
     """0/1 Adam's hooks: 1-bit Adam's, on ``ZeroOnePhase``'s rounds."""
     phase = ZeroOnePhase(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
