@@ -308,16 +308,19 @@ class _Rounds:
 
     def local_round(self, rows: torch.Tensor, keys: list[str], mine: int) -> torch.Tensor:
         """A round that sends nothing: every row's momentum advances, this rank's own is what its shard gets."""
-        stats = self.mover.stats
-        preconditioned = [self.compressor.advance(row, key) for row, key in zip(rows, keys)]
-        stats.calls += 1
-        stats.numel += rows.numel()
+        preconditioned = self._advanced(rows, keys)
         return preconditioned[mine]
+
+    def _advanced(self, rows: torch.Tensor, keys: list[str]) -> list[torch.Tensor]:
+        """Every row's momentum after this round's gradient (over its denominators), counted as one call."""
+        self.mover.stats.calls += 1
+        self.mover.stats.numel += rows.numel()
+        return [self.compressor.advance(row, key) for row, key in zip(rows, keys)]
 
     def sync_round(self, rows: torch.Tensor, keys: list[str], mine: int, seed: int) -> tuple[list[Payload], torch.Tensor]:
         """A sync round's payloads (each row's accumulated momentum) and what this rank's shard already received."""
         mover = self.mover
-        preconditioned = [self.compressor.advance(row, key) for row, key in zip(rows, keys)]
+        preconditioned = self._advanced(rows, keys)
         periods = [self.compressor.period(key, value) for key, value in zip(keys, preconditioned)]
         totals = [total for total, _ in periods]
         with mover.timed("compress_s", rows.device):
@@ -357,8 +360,6 @@ class OneBitAdamReduceScatter(_Rounds, CompressedReduceScatter):
             output_tensor.copy_(apply_op(self.local_round(rows, keys, rank) * world, op, world, prescaled=False))
             return None
         payloads, applied = self.sync_round(rows, keys, rank, seed)
-        stats.calls += 1
-        stats.numel += rows.numel()
         result = mover.decompress(self._all_to_all(payloads, [None] * world, group, rank), rows.device)
         output_tensor.copy_(apply_op(result, op, world, prescaled=False) - applied)
         return None
@@ -387,8 +388,6 @@ class OneBitAdamAllReduce(_Rounds, CompressedAllReduce):
             reduce_output.copy_(self.local_round(flat, [key], 0).view_as(reduce_output))
             return None
         payloads, applied = self.sync_round(flat, [key], 0, seed)
-        self.mover.stats.calls += 1
-        self.mover.stats.numel += flat.numel()
         result = self.mover.decompress(payloads, flat.device) - applied
         reduce_output.copy_(result.view_as(reduce_output))
         return None
