@@ -29,7 +29,7 @@ from lit_fsdp.tune.command import default_candidate, parse_options, run_shape, s
 from lit_fsdp.tune.hardware import Hardware, detect, load
 from lit_fsdp.tune.memory import GIB, ModelShape, compute_dtype, estimate as device_estimate
 from lit_fsdp.tune.space import Candidate
-from offload.host_memory import RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, with_runtime
+from offload.host_memory import FLAG_ELEMENTS, RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, with_runtime
 
 
 class _ConfigOnly(LitFsdpCLI):
@@ -103,6 +103,8 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
     if strategy.activation_offload == "cpu" and every:
         inputs = math.ceil(len(blocks) / every) * micro_batch * seq_len * hidden * p
     incoming = sum(unit.shard_numel * (shards if strategy.grad_sync == "cpu_reduce" else 1) for unit in units)
+    if strategy.grad_sync == "gpu_reduce" and strategy.checks_units_finite(trainer):
+        incoming += len(units) * FLAG_ELEMENTS  # the device's verdict on each unit's gradient travels with it
     traffic = {
         "h2d": load(root) + steps * (per_micro_batch + inputs),
         "d2h": steps * (incoming * reduce + inputs),
@@ -144,18 +146,19 @@ def fsdp2_traffic(trainer: RunTrainer, candidate: Candidate, parameters: int, co
 
 
 def adamw_state_bytes(optimizer_state_dtype: torch.dtype) -> int:
-    """Host bytes SlideFSDP's AdamW moves per parameter besides the gradient reads: the fp32 weight and the two
-    moments (in ``optimizer_state_dtype``) read and written, and the master read again for the staging copy."""
-    return 4 * 2 + optimizer_state_dtype.itemsize * 2 * 2 + 4
+    """Host bytes SlideFSDP's AdamW moves per parameter besides the gradient reads and the staging write: the fp32
+    weight and the two moments (in ``optimizer_state_dtype``) read and written."""
+    return 4 * 2 + optimizer_state_dtype.itemsize * 2 * 2
 
 
 def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype, reduce_dtype: torch.dtype) -> int:
     """Host bytes SlideFSDP's CPU updates read and write per node per optimizer step, as implemented today.
 
-    Per parameter: AdamW's fp32 weight and moments read and written and the staging copy rewritten from the
-    master (``adamw_state_bytes`` + the compute dtype), and the gradient: read once for the non-finite check
-    and once by AdamW in the dtype it arrives in (a bfloat16 one is widened chunk by chunk in cache), or
-    accumulated into the kept fp32 buffer each micro-batch when gradients are kept.
+    Per parameter, in one pass per chunk (``offload.cpu_adam``): AdamW's fp32 weight and moments read and written
+    (``adamw_state_bytes``), the staging copy written from the chunk in cache (the compute dtype), and the gradient,
+    read by AdamW in the dtype it arrives in, or accumulated into the kept fp32 buffer each micro-batch when
+    gradients are kept. The non-finite check is the device's with ``gpu_reduce``; with ``cpu_reduce`` the host
+    reads the gradient once more for it.
     """
     strategy = trainer.strategy
     reduce = reduce_dtype.itemsize
@@ -164,8 +167,8 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
         per += trainer.accumulate_grad_batches * (reduce + 8) + 4
     else:
         per += reduce
-    if strategy.on_nonfinite != "warn" and not strategy.defers_updates(trainer):
-        per += reduce  # each unit is checked before it is updated
+    if strategy.checks_units_finite(trainer) and strategy.grad_sync == "cpu_reduce":
+        per += 4 if strategy.keeps_gradients(trainer) else reduce
     return parameters * per
 
 

@@ -8,9 +8,12 @@ with one group per group of the held optimizer; before every update the learning
 hyperparameters are copied from the held optimizer, so the LR scheduler drives the CPU updates.
 Moments are allocated at setup, so host memory is claimed before training starts.
 
-With bfloat16 moments (``optimizer_state_dtype``) or gradients the same AdamW holds the groups and the state,
-but the update is ``adamw_step_in_chunks``: torch's fused AdamW kernel over cache-sized chunks, on float32 copies of
-the moments read from and rounded back to bfloat16, the gradient in whatever dtype it arrives.
+The update is one pass per cache-sized chunk (``adamw_step_in_chunks``): torch's fused AdamW kernel on the chunk
+(on float32 copies of bfloat16 moments, rounded back; the gradient widened in cache if it arrives in bfloat16),
+then the chunk's new weights written to the staging copy the device loads from while they are still in cache.
+The host memory touched per parameter is then AdamW's own (weight and moments read and written, the gradient
+read) plus the staging copy's write: 28 B/param with float32 moments and a bfloat16 gradient, 20 with bfloat16
+moments, instead of a second pass that reads the master again to write the staging copy.
 """
 
 from __future__ import annotations
@@ -33,39 +36,47 @@ CHUNK = 262_144
 
 
 def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: dict,
-                         scratch: torch.Tensor) -> None:
+                         scratch: torch.Tensor, staging: torch.Tensor | None = None) -> None:
     """One torch.optim.AdamW step of ``param`` (float32), ``scratch.shape[1]`` elements at a time, each chunk by
     torch's fused CPU AdamW kernel, on float32 copies of what is not float32: a bfloat16 gradient (so that it is
     read as it arrived, not converted in a pass of its own) and bfloat16 moments (rounded to nearest on the way
-    back). Decoupled weight decay, bias correction and the arithmetic are AdamW's own. ``scratch`` is 3 float32
-    rows: the two moments and the gradient.
+    back). Decoupled weight decay, bias correction, amsgrad, maximize and the arithmetic are AdamW's own.
+    ``staging`` (``param``'s shape, any dtype) receives each chunk's new weights while they are in cache.
+    ``scratch`` is 3 float32 rows: the two moments and the gradient.
     """
     chunk_step = torch.empty_like(state["step"])
     param, grad = param.view(-1), grad.reshape(-1)
-    exp_avg, exp_avg_sq = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+    staging = staging.view(-1) if staging is not None else None
+    moments = [state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
+    amsgrad = bool(group.get("amsgrad", False))
+    peak = state["max_exp_avg_sq"].view(-1) if amsgrad else None
     beta1, beta2 = (float(beta) for beta in group["betas"])
-    hyperparameters = {"amsgrad": False, "maximize": False, "beta1": beta1, "beta2": beta2, "lr": float(group["lr"]),
-                       "weight_decay": float(group["weight_decay"]), "eps": float(group["eps"])}
-    chunk, copied = scratch.shape[1], exp_avg.dtype != torch.float32
+    hyperparameters = {"amsgrad": amsgrad, "maximize": bool(group.get("maximize", False)), "beta1": beta1,
+                       "beta2": beta2, "lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),
+                       "eps": float(group["eps"])}
+    chunk, copied = scratch.shape[1], moments[0].dtype != torch.float32
     for start in range(0, param.numel(), chunk):
         end = min(start + chunk, param.numel())
         n = end - start
         g = grad[start:end]
         if g.dtype != torch.float32:
             g = scratch[2, :n].copy_(g)
-        m, v = exp_avg[start:end], exp_avg_sq[start:end]
+        m, v = (moment[start:end] for moment in moments)
         if copied:
             m, v = scratch[0, :n].copy_(m), scratch[1, :n].copy_(v)
         chunk_step.copy_(state["step"])  # the kernel counts the step in it: every chunk takes the same one
-        adamw([param[start:end]], [g], [m], [v], [], [chunk_step], fused=True, **hyperparameters)
+        adamw([param[start:end]], [g], [m], [v], [peak[start:end]] if amsgrad else [], [chunk_step], fused=True,
+              **hyperparameters)
         if copied:
-            exp_avg[start:end].copy_(m)
-            exp_avg_sq[start:end].copy_(v)
+            moments[0][start:end].copy_(m)
+            moments[1][start:end].copy_(v)
+        if staging is not None:
+            staging[start:end].copy_(param[start:end])
     state["step"] += 1
 
 
 class CpuAdam:
-    """CPU AdamW per unit over master-shard views, run in order on one worker thread (fused; chunked with bfloat16 moments)."""
+    """CPU AdamW per unit over master-shard views, run in order on one worker thread (fused kernel, chunk by chunk)."""
 
     def __init__(self, layouts: list[UnitLayout], master: list[torch.Tensor], held: torch.optim.Optimizer,
                  device: torch.device = torch.device("cpu"), state_dtype: torch.dtype = torch.float32):
@@ -128,24 +139,20 @@ class CpuAdam:
 
     # --- updates ---------------------------------------------------------------------------------
 
-    def update(self, unit: int, gradients: list[torch.Tensor]) -> None:
-        """One AdamW step of ``unit``'s pieces with ``gradients`` (this rank's rows), at the held optimizer's settings."""
+    def update(self, unit: int, gradients: list[torch.Tensor], staging: list[torch.Tensor | None] | None = None) -> None:
+        """One AdamW step of ``unit``'s pieces with ``gradients`` (this rank's rows), at the held optimizer's settings;
+        each piece's new weights are also written to its ``staging`` view (one per piece; None: not written)."""
         began = time.perf_counter()
         optimizer, pieces = self.optimizers[unit], self.pieces[unit]
         for group in optimizer.param_groups:
             group.update(self._hyperparameters(group["held_group"]))
-        if self.state_dtype == torch.float32 and all(gradient.dtype == torch.float32 for gradient in gradients):
-            for piece, gradient in zip(pieces, gradients):
-                piece.grad = gradient
-            optimizer.step()
-            for piece in pieces:
-                piece.grad = None
-        else:
-            gradient_of = dict(zip(pieces, gradients))
-            with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for piece in group["params"]:
-                        adamw_step_in_chunks(piece, gradient_of[piece], optimizer.state[piece], group, self._scratch)
+        gradient_of = dict(zip(pieces, gradients))
+        staging_of = dict(zip(pieces, staging or [None] * len(pieces)))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for piece in group["params"]:
+                    adamw_step_in_chunks(piece, gradient_of[piece], optimizer.state[piece], group, self._scratch,
+                                         staging_of[piece])
         self.update_intervals.append((began, time.perf_counter()))
 
     def submit(self, task: Callable[[], None]) -> None:

@@ -9,6 +9,10 @@ ranks, as FSDP2 averages them.
 The host side runs on the CPU optimizer's worker thread while the device goes on with the backward
 of the units before it: wait for the copy, then either update the unit at once, or add the gradient
 to the unit's kept buffer (gradient accumulation, clipping) and update it at the optimizer step.
+
+Non-finite gradients (``check_finite``): with ``gpu_reduce`` the device sums the reduced shard and sends
+whether the sum is finite as one more element of the copy, so the host reads no gradient twice (on a GPU
+the check costs a reduction at device bandwidth, and no host sync); with ``cpu_reduce`` the host sums it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from compress.torch_compat import reduce_scatter_flat
 from lit_fsdp.errors import OneLineError
 from offload.cpu_adam import CpuAdam
 from offload.host import HostState
+from offload.host_memory import FLAG_ELEMENTS
 from offload.transfers import Event, Transfers
 
 
@@ -71,28 +76,34 @@ class GradientPipeline:
         self.shard_group, self.replicate_group, self.host_group = shard_group, replicate_group, host_group
         self.received = [0] * len(layouts)  # micro-batches added to each kept buffer since the last update
         self.check_finite = check_finite
+        self.flag_elements = FLAG_ELEMENTS if gpu_reduce and check_finite else 0  # the device's verdict, copied along
+        self.finite = [True] * len(layouts)  # the device's verdicts on each kept gradient's micro-batches, and-ed
         self.nonfinite_units = 0  # updates withheld for non-finite gradients since the last take
 
     def reduce_and_offload(self, unit: int, gradients: list[torch.Tensor | None], update_now: bool) -> None:
         """Send ``unit``'s full gradients (device, one per parameter; None counts as zero) to the host update."""
         layout = self.layouts[unit]
         device = next((g.device for g in gradients if g is not None), self.transfers.device)
-        flat = torch.empty(layout.shard_numel * layout.shards, dtype=self.reduce_dtype, device=device)
-        layout.scatter_to_rank_major(gradients, flat)
+        numel = layout.shard_numel * layout.shards
+        unsharded = self.gpu_reduce and layout.shards == 1  # the flat buffer is the shard: room for the verdict in it
+        flat = torch.empty(numel + (self.flag_elements if unsharded else 0), dtype=self.reduce_dtype, device=device)
+        layout.scatter_to_rank_major(gradients, flat[:numel])
         if self.gpu_reduce:
-            shard = flat
-            if layout.shards > 1:
-                shard = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=device)
-                reduce_scatter_flat(shard, flat, group=self.shard_group)
+            outgoing = flat
+            if not unsharded:
+                outgoing = torch.empty(layout.shard_numel + self.flag_elements, dtype=self.reduce_dtype, device=device)
+                reduce_scatter_flat(outgoing[: layout.shard_numel], flat, group=self.shard_group)
+            shard = outgoing[: layout.shard_numel]
             if self.replicate_group is not None:
                 dist.all_reduce(shard, group=self.replicate_group)
             if self.world_size > 1:
                 shard.div_(self.world_size)
-            incoming = self.host.incoming.acquire(shard.numel(), self.adam.failure)
-            copied = self.transfers.d2h(incoming, shard)
+            if self.flag_elements:  # one reduction on the device, queued: no host sync
+                outgoing[layout.shard_numel :].copy_(torch.isfinite(shard.sum(dtype=torch.float32)).reshape(1))
         else:
-            incoming = self.host.incoming.acquire(flat.numel(), self.adam.failure)
-            copied = self.transfers.d2h(incoming, flat)
+            outgoing = flat
+        incoming = self.host.incoming.acquire(outgoing.numel(), self.adam.failure)
+        copied = self.transfers.d2h(incoming, outgoing)
         self.adam.submit(partial(self._on_host, unit, incoming, copied, update_now))
 
     def _on_host(self, unit: int, incoming: torch.Tensor, copied: Event, update_now: bool) -> None:
@@ -118,6 +129,9 @@ class GradientPipeline:
     def _apply_on_host(self, unit: int, incoming: torch.Tensor, copied: Event, update_now: bool, release) -> None:
         self.transfers.synchronize(copied)
         layout = self.layouts[unit]
+        finite = None  # not known yet: the host checks
+        if self.flag_elements:
+            finite, incoming = bool(incoming[-1] != 0), incoming[: -self.flag_elements]
         shard = incoming
         if not self.gpu_reduce:
             if self.world_size > 1:
@@ -131,28 +145,33 @@ class GradientPipeline:
                 kept.add_(shard)
             else:
                 kept.copy_(shard)
+                self.finite[unit] = True
+            self.finite[unit] &= finite is not False
             self.received[unit] += 1
             release()  # the kept buffer holds the gradient now
             if update_now:
                 self.update(unit)
             return
-        self._step(unit, shard)  # a bfloat16 gradient is read as it is, chunk by chunk (offload.cpu_adam)
+        self._step(unit, shard, finite)  # a bfloat16 gradient is read as it is, chunk by chunk (offload.cpu_adam)
 
     def update(self, unit: int) -> None:
         """Apply the kept gradient of ``unit`` (worker thread or idle worker)."""
         try:
-            self._step(unit, self.host.gradients[unit])
+            self._step(unit, self.host.gradients[unit], self.finite[unit] if self.flag_elements else None)
         except Exception as error:
             raise host_update_error(unit, error) from error
         self.received[unit] = 0
 
-    def _step(self, unit: int, gradient: torch.Tensor) -> None:
-        # one reduction, no mask the size of the gradient: a NaN or an infinity makes the sum non-finite
-        if self.check_finite and not torch.isfinite(gradient.sum(dtype=torch.float32)):
-            self.nonfinite_units += 1
-            return
-        self.adam.update(unit, self.layouts[unit].local_views(gradient))
-        self.host.write_staging(unit)
+    def _step(self, unit: int, gradient: torch.Tensor, finite: bool | None) -> None:
+        """Update ``unit`` and its staging rows in one pass, unless its gradient is not finite (``finite``: the device's
+        verdict; None: the host checks with one reduction, no mask the size of the gradient)."""
+        if self.check_finite:
+            if finite is None:
+                finite = bool(torch.isfinite(gradient.sum(dtype=torch.float32)))
+            if not finite:
+                self.nonfinite_units += 1
+                return
+        self.adam.update(unit, self.layouts[unit].local_views(gradient), self.host.staging_targets(unit))
 
     def take_nonfinite(self) -> int:
         """Units whose update was withheld for non-finite gradients since the last call (after the worker is idle)."""

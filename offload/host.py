@@ -9,7 +9,8 @@ Per unit and rank:
   keeps its own rows (shard layout) and the devices all-gather the rest. With ``full`` every rank
   copies whole blocks, so the node keeps one full copy (full layout) in shared memory that each rank
   writes its rows into after its update; one process alone keeps it in private memory.
-- **gradients**: a ring of pinned buffers the reduced gradients land in from the device; with
+- **gradients**: a ring of pinned buffers the reduced gradients land in from the device (each followed by
+  the device's verdict on whether they are finite); with
   gradient accumulation or clipping also one fp32 buffer per unit that holds the sum until the
   optimizer step (clipping needs every gradient before the first update).
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
 from compress.layout import UnitLayout
+from offload.host_memory import FLAG_ELEMENTS
 
 SHM_DIR = Path("/dev/shm")
 
@@ -216,17 +218,17 @@ class HostState:
         self.staging = list(self.staging_region.tensor[: sum(sizes)].split(sizes))
         self.gradients = [torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=False) for layout in layouts] if keep_gradients else None
         largest = max(layout.shard_numel * (layout.shards if incoming_full else 1) for layout in layouts)
-        self.incoming = BufferRing(ring_size, largest, reduce_dtype, pin)
+        self.incoming = BufferRing(ring_size, largest + FLAG_ELEMENTS, reduce_dtype, pin)
+
+    def staging_targets(self, unit: int) -> list[torch.Tensor]:
+        """Where this rank's rows of each of ``unit``'s parameters go in the staging copy (views, ``local_views`` order)."""
+        layout = self.layouts[unit]
+        return layout.local_rows_in_full(self.staging[unit]) if self.full_staging else layout.local_views(self.staging[unit])
 
     def write_staging(self, unit: int) -> None:
-        """Copy this rank's master rows of ``unit`` into the staging copy, in the compute dtype."""
-        layout = self.layouts[unit]
-        master_rows = layout.local_views(self.master[unit])
-        if self.full_staging:
-            targets = layout.local_rows_in_full(self.staging[unit])
-        else:
-            targets = layout.local_views(self.staging[unit])
-        for target, rows in zip(targets, master_rows):
+        """Copy this rank's master rows of ``unit`` into the staging copy, in the compute dtype (after init or a load;
+        the CPU update writes its rows as it goes)."""
+        for target, rows in zip(self.staging_targets(unit), self.layouts[unit].local_views(self.master[unit])):
             target.copy_(rows)
 
     def buffer_bytes(self, count_shared: bool) -> dict[str, int]:

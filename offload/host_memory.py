@@ -16,6 +16,8 @@ import torch
 
 GIB = 2**30
 RUNTIME_BYTES_PER_PROCESS = 3 * GIB  # allowance per rank: interpreter, libraries, CUDA runtime host side, loader
+#: Elements after a unit's gradient in its device-to-host copy: 1 if the device found the gradient finite, else 0
+FLAG_ELEMENTS = 1
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
     ranks = setup.processes
     full = sum(unit.full_numel for unit in units)
     shard = sum(unit.shard_numel for unit in units)
-    incoming = max(unit.shard_numel * (ranks if setup.incoming_full else 1) for unit in units)
+    incoming = max(unit.shard_numel * (ranks if setup.incoming_full else 1) for unit in units) + FLAG_ELEMENTS
     parts = {
         "master": ranks * shard * 4,
         "adam_moments": full * 2 * setup.optimizer_state_dtype.itemsize,  # exp_avg and exp_avg_sq of each rank's rows

@@ -179,6 +179,11 @@ class SlideFSDPStrategy(CausalLMStrategy):
             )
         self.check_host_memory(trainer, module, datamodule)
 
+    def checks_units_finite(self, trainer: pl.Trainer) -> bool:
+        """Each unit's gradients are checked for non-finite values before its update (the device does it with
+        ``gpu_reduce``): deferred updates are guarded by the global norm instead, ``on_nonfinite: warn`` by nothing."""
+        return self.on_nonfinite != "warn" and not self.defers_updates(trainer)
+
     def host_setup(self, trainer: pl.Trainer, activation_bytes: int = 0, compute: torch.dtype | None = None) -> HostSetup:
         """What decides this run's host buffers (``offload.host_memory``); ``compute`` overrides the resolved dtype."""
         compute = compute or self.resolve_dtype(self.param_dtype)
@@ -294,8 +299,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             world_size=self.world_size, shard_rank=shard_rank, shard_group=device_shards,
             replicate_group=self.device_mesh["replicate"].get_group() if self.num_nodes > 1 else None,
             host_group=self.host_group,
-            # deferred updates are guarded by the global norm; overlapped ones check each unit before updating it
-            check_finite=self.on_nonfinite != "warn" and not self.defers_updates(trainer),
+            check_finite=self.checks_units_finite(trainer),
         )
         self.engine = SlideEngine(
             network, blocks, layouts, window, gradients, transfers, self.activation_checkpointing,
@@ -440,4 +444,6 @@ class SlideFSDPStrategy(CausalLMStrategy):
         if self.adam is not None:
             self.adam.close()
             self.adam = None
+        if self.host is not None:  # unpinned, not freed: a later validate or test on this trainer copies pageable
+            self.host.close()
         super().teardown()

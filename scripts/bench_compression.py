@@ -9,6 +9,7 @@ time per step. Runs that fail are recorded as failed and the sweep goes on.
     python scripts/bench_compression.py                      # all methods, as in the issue note
     python scripts/bench_compression.py --methods baseline int8 --seeds 1 --steps 50
     python scripts/bench_compression.py --methods thresholdv --set threshold=7e-4   # a row "thresholdv threshold=7e-4"
+    python scripts/bench_compression.py --methods offload offload_bf16_moments   # SlideFSDP's host AdamW moments
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from lit_fsdp.sweep import METHODS, REPO, launch
 DATA = REPO.parent / "shared" / "data" / "wikitext2"
 #: torch's own PowerSGD DDP hook at configs/powersgd.yaml's rank and start step: the reference for ``powersgd``
 TORCH_POWERSGD = "torch_powersgd"
-CHOICES = [*METHODS, TORCH_POWERSGD]
+#: SlideFSDP's host AdamW with float32 and with bfloat16 moments, no compression: the cost of optimizer_state_dtype
+OFFLOAD = {"offload": "float32", "offload_bf16_moments": "bfloat16"}
+CHOICES = [*METHODS, TORCH_POWERSGD, *OFFLOAD]
 MULTI_SEED = ("baseline", "int8", "topk", "dgc", "powersgd", TORCH_POWERSGD)
 
 
@@ -42,6 +45,12 @@ def torch_powersgd_strategy() -> list[str]:
     settings = powersgd_settings()
     strategy = {"class_path": "lit_fsdp.ddp.DDPStrategy",
                 "init_args": {"torch_powersgd_rank": settings["rank"], "torch_powersgd_start_step": settings["start_step"]}}
+    return ["--trainer.strategy", json.dumps(strategy)]
+
+
+def offload_strategy(method: str) -> list[str]:
+    """Arguments that run SlideFSDP (host AdamW, moments in the method's dtype) in place of FSDP2."""
+    strategy = {"class_path": "offload.SlideFSDPStrategy", "init_args": {"optimizer_state_dtype": OFFLOAD[method]}}
     return ["--trainer.strategy", json.dumps(strategy)]
 
 
@@ -89,11 +98,13 @@ def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dic
     for setting in args.set:
         key, _, value = setting.partition("=")
         overrides += [f"--trainer.strategy.init_args.compression.{key}", value]
-    # torch's PowerSGD: the baseline's callbacks, its strategy replaced by DDP with the hook
-    names = ["quickstart.yaml", "wikipedia.yaml", "baseline.yaml" if method == TORCH_POWERSGD else f"{method}.yaml"]
+    # torch's PowerSGD and SlideFSDP: the baseline's callbacks, its strategy replaced
+    uncompressed = method == TORCH_POWERSGD or method in OFFLOAD
+    names = ["quickstart.yaml", "wikipedia.yaml", "baseline.yaml" if uncompressed else f"{method}.yaml"]
     configs = [REPO / "configs" / name for name in names]
     outcome = launch(configs, [
         *(torch_powersgd_strategy() if method == TORCH_POWERSGD else []),
+        *(offload_strategy(method) if method in OFFLOAD else []),
         *overrides,
         "--data.train_path", str(args.data / "train.json"),
         "--data.val_path", str(args.data / "valid.json"),
@@ -126,7 +137,7 @@ def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dic
     elif method == TORCH_POWERSGD:  # against DDP's fp32 all-reduce (the others: against FSDP2's fp32 reduce-scatter)
         ratio = torch_powersgd_ratio(args, args.steps)
         record.update(ratio_vs_fp32=ratio, ratio_vs_bf16=ratio / 2, codec_ms_per_step=float("nan"))
-    else:  # no hook: FSDP2's own float32 reduce-scatter
+    else:  # no hook: FSDP2's own float32 reduce-scatter (SlideFSDP's on CPU)
         record.update(ratio_vs_fp32=1.0, ratio_vs_bf16=0.5, codec_ms_per_step=0.0)
     return record
 
@@ -213,8 +224,9 @@ def main() -> None:
         return
     if malformed := [setting for setting in args.set if "=" not in setting]:
         sys.exit(f"bench_compression: --set {malformed[0]} is not KEY=VALUE; e.g. --set threshold=7e-4")
-    if args.set and {"baseline", TORCH_POWERSGD} & set(args.methods):
-        sys.exit("bench_compression: --set applies to compression methods; run baseline and torch_powersgd without it")
+    if args.set and {"baseline", TORCH_POWERSGD, *OFFLOAD} & set(args.methods):
+        sys.exit("bench_compression: --set applies to compression methods; run baseline, torch_powersgd and offload "
+                 "without it")
     if not (args.data / "train.json").is_file():
         sys.exit(f"bench_compression: {args.data / 'train.json'} not found; pass --data FOLDER with train.json and valid.json")
     args.out.mkdir(parents=True, exist_ok=True)

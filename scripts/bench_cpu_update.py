@@ -1,12 +1,13 @@
-"""How fast one rank's CPU AdamW update runs: ns and bytes per parameter, float32 moments against bfloat16 moments.
+"""How fast one rank's CPU AdamW update runs: ns and bytes per parameter, one pass per chunk against two passes.
 
-Each row times ``offload.cpu_adam.CpuAdam.update`` (what SlideFSDP's worker thread runs per unit) on one
-unit of ``--numel`` parameters: torch's fused AdamW with float32 moments and gradient, and the chunked update
-(the same kernel per cache-sized chunk) with float32 moments and a bfloat16 gradient (SlideFSDP's default on
-GPUs) or bfloat16 moments fed a float32 or a bfloat16 gradient. The median of ``--repeats`` updates after one
-warm-up is reported, with the host bytes the pass reads and writes by construction: the gradient read,
-the float32 master read and written, each moment read and written (the chunked update's float32
-temporaries stay in cache and are not counted). One JSON line per row and thread count goes to ``--out``.
+Each row times one update of one unit of ``--numel`` parameters, the staging copy (bfloat16, what the device
+loads) included. *Two passes* is what SlideFSDP ran before: torch's fused AdamW over the whole tensors, then the
+staging copy rewritten from the master in a pass of its own. *One pass* is ``offload.cpu_adam.CpuAdam.update``
+today: the same kernel per cache-sized chunk, each chunk's new weights written to the staging copy while in cache,
+with float32 moments and a float32 or bfloat16 gradient (SlideFSDP's default on GPUs), or bfloat16 moments. The
+median of ``--repeats`` updates after one warm-up is reported, with the host bytes the pass reads and writes by
+construction (the chunked update's float32 temporaries stay in cache and are not counted). One JSON line per row
+and thread count goes to ``--out``.
 
     python scripts/bench_cpu_update.py --threads 1 2
 """
@@ -26,35 +27,52 @@ import torch
 from compress.layout import UnitLayout
 from offload.cpu_adam import CHUNK, CpuAdam
 
-ROWS = [  # (row, moments dtype, gradient dtype)
-    ("fp32 moments, fused AdamW, fp32 grad", torch.float32, torch.float32),
-    ("fp32 moments, chunked, bf16 grad", torch.float32, torch.bfloat16),
-    ("bf16 moments, chunked, fp32 grad", torch.bfloat16, torch.float32),
-    ("bf16 moments, chunked, bf16 grad", torch.bfloat16, torch.bfloat16),
+ROWS = [  # (row, moments dtype, gradient dtype, one pass)
+    ("two passes: fused AdamW, then staging, fp32 grad", torch.float32, torch.float32, False),
+    ("one pass per chunk, fp32 moments, fp32 grad", torch.float32, torch.float32, True),
+    ("one pass per chunk, fp32 moments, bf16 grad", torch.float32, torch.bfloat16, True),
+    ("one pass per chunk, bf16 moments, bf16 grad", torch.bfloat16, torch.bfloat16, True),
 ]
+STAGING = torch.bfloat16
 
 
-def bytes_per_param(state_dtype: torch.dtype, gradient_dtype: torch.dtype) -> int:
-    """Host bytes one update reads and writes per parameter: gradient read, master read + written, two moments read + written."""
-    return gradient_dtype.itemsize + 4 + 4 + 2 * 2 * state_dtype.itemsize
+def bytes_per_param(state_dtype: torch.dtype, gradient_dtype: torch.dtype, one_pass: bool) -> int:
+    """Host bytes one update reads and writes per parameter: gradient read, master read + written, two moments read +
+    written, the staging copy written (and, in two passes, the master read again for it)."""
+    return gradient_dtype.itemsize + 4 + 4 + 2 * 2 * state_dtype.itemsize + STAGING.itemsize + (0 if one_pass else 4)
 
 
-def time_update(numel: int, state_dtype: torch.dtype, gradient_dtype: torch.dtype, repeats: int) -> list[float]:
+def time_update(numel: int, state_dtype: torch.dtype, gradient_dtype: torch.dtype, one_pass: bool,
+                repeats: int) -> list[float]:
     """Seconds of each of ``repeats`` updates of one ``numel``-parameter unit, after one warm-up update."""
     held_param = torch.nn.Parameter(torch.empty(numel, device="meta"))  # the held optimizer's: no values
     layout = UnitLayout.build("unit", [(("weight",), held_param)], shards=1, shard_rank=0)
     master = torch.randn(numel)
     gradient = (torch.randn(numel) * 1e-3).to(gradient_dtype)
-    adam = CpuAdam([layout], [master], torch.optim.AdamW([held_param], weight_decay=0.1), state_dtype=state_dtype)
+    staging = torch.empty(numel, dtype=STAGING)
+    if one_pass:
+        adam = CpuAdam([layout], [master], torch.optim.AdamW([held_param], weight_decay=0.1), state_dtype=state_dtype)
+
+        def update() -> None:
+            adam.update(0, layout.local_views(gradient), layout.local_views(staging))
+    else:
+        weight = torch.nn.Parameter(master)
+        weight.grad = gradient
+        fused = torch.optim.AdamW([weight], weight_decay=0.1, fused=True)
+
+        def update() -> None:
+            fused.step()
+            staging.copy_(master)
     try:
         times = []
         for _ in range(1 + repeats):
             start = time.perf_counter()
-            adam.update(0, layout.local_views(gradient))
+            update()
             times.append(time.perf_counter() - start)
         return times[1:]
     finally:
-        adam.close()
+        if one_pass:
+            adam.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,12 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for name, state_dtype, gradient_dtype in ROWS:
-            times = time_update(args.numel, state_dtype, gradient_dtype, args.repeats)
-            seconds, nbytes = statistics.median(times), bytes_per_param(state_dtype, gradient_dtype)
+        for name, state_dtype, gradient_dtype, one_pass in ROWS:
+            times = time_update(args.numel, state_dtype, gradient_dtype, one_pass, args.repeats)
+            seconds, nbytes = statistics.median(times), bytes_per_param(state_dtype, gradient_dtype, one_pass)
             record = {
                 "row": name, "optimizer_state_dtype": str(state_dtype).removeprefix("torch."),
-                "gradient_dtype": str(gradient_dtype).removeprefix("torch."), "numel": args.numel, "threads": threads,
+                "gradient_dtype": str(gradient_dtype).removeprefix("torch."), "one_pass": one_pass, "numel": args.numel,
+                "threads": threads,
                 "repeats": args.repeats, "chunk": CHUNK, "median_s": seconds, "min_s": min(times), "max_s": max(times),
                 "ns_per_param": seconds / args.numel * 1e9, "bytes_per_param": nbytes,
                 "gbps": nbytes * args.numel / seconds / 1e9, "load_average_1min": load, "torch": torch.__version__,
