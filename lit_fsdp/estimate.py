@@ -29,7 +29,8 @@ from lit_fsdp.tune.command import default_candidate, parse_options, run_shape, s
 from lit_fsdp.tune.hardware import Hardware, detect, load
 from lit_fsdp.tune.memory import GIB, ModelShape, compute_dtype, estimate as device_estimate
 from lit_fsdp.tune.space import Candidate
-from offload.host_memory import FLAG_ELEMENTS, RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, with_runtime
+from offload.host_memory import (FLAG_ELEMENTS, RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, piece_capacity, pieces,
+                                  with_runtime)
 
 
 class _ConfigOnly(LitFsdpCLI):
@@ -104,7 +105,9 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
         inputs = math.ceil(len(blocks) / every) * micro_batch * seq_len * hidden * p
     incoming = sum(unit.shard_numel * (shards if strategy.grad_sync == "cpu_reduce" else 1) for unit in units)
     if strategy.grad_sync == "gpu_reduce" and strategy.checks_units_finite(trainer):
-        incoming += len(units) * FLAG_ELEMENTS  # the device's verdict on each unit's gradient travels with it
+        # the device's verdict on each gradient part travels after each of its ring-buffer pieces
+        capacity = piece_capacity(units, incoming_full=False, ranks=shards)
+        incoming += FLAG_ELEMENTS * sum(pieces(part, capacity) for unit in units for part in unit.part_sizes())
     traffic = {
         "h2d": load(root) + steps * (per_micro_batch + inputs),
         "d2h": steps * (incoming * reduce + inputs),

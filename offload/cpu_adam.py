@@ -36,20 +36,24 @@ CHUNK = 262_144
 
 
 def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: dict,
-                         scratch: torch.Tensor, staging: torch.Tensor | None = None) -> None:
-    """One torch.optim.AdamW step of ``param`` (float32), ``scratch.shape[1]`` elements at a time, each chunk by
-    torch's fused CPU AdamW kernel, on float32 copies of what is not float32: a bfloat16 gradient (so that it is
-    read as it arrived, not converted in a pass of its own) and bfloat16 moments (rounded to nearest on the way
-    back). Decoupled weight decay, bias correction, amsgrad, maximize and the arithmetic are AdamW's own.
-    ``staging`` (``param``'s shape, any dtype) receives each chunk's new weights while they are in cache.
+                         scratch: torch.Tensor, staging: torch.Tensor | None = None,
+                         span: tuple[int, int] | None = None) -> None:
+    """One torch.optim.AdamW step of elements ``span`` (default: all) of ``param`` (float32), ``scratch.shape[1]``
+    elements at a time, each chunk by torch's fused CPU AdamW kernel, on float32 copies of what is not float32: a
+    bfloat16 gradient (so that it is read as it arrived, not converted in a pass of its own) and bfloat16 moments
+    (rounded to nearest on the way back). Decoupled weight decay, bias correction, amsgrad, maximize and the
+    arithmetic are AdamW's own. ``grad`` holds the span's gradient; ``staging`` (``param``'s shape, any dtype) receives
+    each chunk's new weights while they are in cache. The step count advances with the span that ends ``param``.
     ``scratch`` is 3 float32 rows: the two moments and the gradient.
     """
     chunk_step = torch.empty_like(state["step"])
-    param, grad = param.view(-1), grad.reshape(-1)
-    staging = staging.view(-1) if staging is not None else None
-    moments = [state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
+    numel = param.numel()
+    first, last = span or (0, numel)
+    param, grad = param.view(-1)[first:last], grad.reshape(-1)
+    staging = staging.view(-1)[first:last] if staging is not None else None
+    moments = [state["exp_avg"].view(-1)[first:last], state["exp_avg_sq"].view(-1)[first:last]]
     amsgrad = bool(group.get("amsgrad", False))
-    peak = state["max_exp_avg_sq"].view(-1) if amsgrad else None
+    peak = state["max_exp_avg_sq"].view(-1)[first:last] if amsgrad else None
     beta1, beta2 = (float(beta) for beta in group["betas"])
     hyperparameters = {"amsgrad": amsgrad, "maximize": bool(group.get("maximize", False)), "beta1": beta1,
                        "beta2": beta2, "lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),
@@ -72,7 +76,8 @@ def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[st
             moments[1][start:end].copy_(v)
         if staging is not None:
             staging[start:end].copy_(param[start:end])
-    state["step"] += 1
+    if last == numel:
+        state["step"] += 1
 
 
 class CpuAdam:
@@ -94,6 +99,7 @@ class CpuAdam:
         self._scratch = torch.empty(3, CHUNK)
         group_of = {id(p): index for index, group in enumerate(held.param_groups) for p in group["params"]}
         self.pieces: list[list[nn.Parameter]] = []
+        self.offsets: list[list[int]] = []
         self.optimizers: list[torch.optim.AdamW] = []
         for layout, shard in zip(layouts, master):
             pieces = [nn.Parameter(view) for view in layout.local_views(shard)]
@@ -109,6 +115,7 @@ class CpuAdam:
             for piece in pieces:
                 optimizer.state[piece] = self._fresh_state(piece, optimizer)
             self.pieces.append(pieces)
+            self.offsets.append([place.shard_offset for place in layout.places])  # where each piece starts in the shard
             self.optimizers.append(optimizer)
         # On a GPU the worker waits on CUDA events: it must use this rank's device, not create a context on GPU 0.
         cuda = device.type == "cuda"
@@ -142,17 +149,34 @@ class CpuAdam:
     def update(self, unit: int, gradients: list[torch.Tensor], staging: list[torch.Tensor | None] | None = None) -> None:
         """One AdamW step of ``unit``'s pieces with ``gradients`` (this rank's rows), at the held optimizer's settings;
         each piece's new weights are also written to its ``staging`` view (one per piece; None: not written)."""
+        pieces = self.pieces[unit]
+        self._step(unit, [(index, None, gradient) for index, gradient in enumerate(gradients)],
+                   staging or [None] * len(pieces))
+
+    def update_rows(self, unit: int, gradient: torch.Tensor, start: int, stop: int, staging: list[torch.Tensor]) -> None:
+        """The AdamW step of elements ``[start, stop)`` of ``unit``'s shard (``gradient`` holds theirs, in the shard
+        layout): the parts of the pieces that lie there, padding skipped. A piece's step count advances with its
+        last elements, so the ranges of one step may come in any number of calls, in order."""
+        spans = []
+        for index, piece in enumerate(self.pieces[unit]):
+            begins = self.offsets[unit][index]
+            first, last = max(start, begins), min(stop, begins + piece.numel())
+            if first < last:
+                spans.append((index, (first - begins, last - begins), gradient[first - start : last - start]))
+        self._step(unit, spans, staging)
+
+    def _step(self, unit: int, spans: list[tuple[int, tuple[int, int] | None, torch.Tensor]],
+              staging: list[torch.Tensor | None]) -> None:
         began = time.perf_counter()
         optimizer, pieces = self.optimizers[unit], self.pieces[unit]
         for group in optimizer.param_groups:
             group.update(self._hyperparameters(group["held_group"]))
-        gradient_of = dict(zip(pieces, gradients))
-        staging_of = dict(zip(pieces, staging or [None] * len(pieces)))
+        group_of = {piece: group for group in optimizer.param_groups for piece in group["params"]}
         with torch.no_grad():
-            for group in optimizer.param_groups:
-                for piece in group["params"]:
-                    adamw_step_in_chunks(piece, gradient_of[piece], optimizer.state[piece], group, self._scratch,
-                                         staging_of[piece])
+            for index, span, gradient in spans:
+                piece = pieces[index]
+                adamw_step_in_chunks(piece, gradient, optimizer.state[piece], group_of[piece], self._scratch,
+                                     staging[index], span)
         self.update_intervals.append((began, time.perf_counter()))
 
     def submit(self, task: Callable[[], None]) -> None:

@@ -7,7 +7,8 @@
   backward) block i is made resident and i-1..i-window+1 prefetched, with their checkpointed inputs.
   When the last gradient of a unit's parameters has accumulated, the unit's gradients are reduced
   and copied to the host, its slot is released, and its CPU update starts on the worker thread while
-  the device goes on with the units before it.
+  the device goes on with the units before it. The root's parameters go one by one (``gradient_parts``): the
+  head's update starts with the backward, the embeddings' at its end.
 - **optimizer step**: wait for the outstanding updates; with clipping (or ``on_nonfinite: skip_step``),
   first the global norm, then every update (the updates cannot start before the norm is known: that
   overlap is lost).
@@ -78,7 +79,8 @@ class SlideEngine:
         self.phase = IDLE
         self.accumulating = False  # inside Lightning's block_backward_sync: no update at this backward
         self.defer_updates = False  # clipping or skip_step: updates wait for the end of the backward
-        self.arrived = [0] * len(layouts)  # gradients accumulated per unit in the current backward
+        self.arrived: list[list[int]] = []  # gradients accumulated per unit and gradient part in the current backward
+        self.sent = [0] * len(layouts)  # gradient parts sent per unit in the current backward
         self.last_step: OffloadStep | None = None  # the figures of the last optimizer step
         self._backward_window = (0.0, 0.0)
         self._handles: list[RemovableHandle] = []
@@ -96,9 +98,11 @@ class SlideEngine:
                 checkpointed.add(index)
             self._handles.append(block.register_forward_pre_hook(lambda _m, _a, i=index: self.before_forward(i)))
             self._handles.append(block.register_forward_hook(lambda _m, _a, out, i=index: self.after_forward(i, out)))
-        for unit, layout in enumerate(self.layouts):
-            for place in layout.places:
-                self._handles.append(place.param.register_post_accumulate_grad_hook(lambda _p, u=unit: self.on_gradient(u)))
+        for unit, parts in enumerate(self.gradients.parts):
+            for part, members in enumerate(parts):
+                for index in members.places:
+                    self._handles.append(self.layouts[unit].places[index].param.register_post_accumulate_grad_hook(
+                        lambda _p, u=unit, k=part: self.on_gradient(u, k)))
         self._handles.append(self.network.register_forward_pre_hook(lambda _m, _a: self.before_network()))
         return checkpointed
 
@@ -138,7 +142,8 @@ class SlideEngine:
 
     def begin_backward(self) -> None:
         self.phase = BACKWARD
-        self.arrived = [0] * len(self.layouts)
+        self.arrived = [[0] * len(parts) for parts in self.gradients.parts]
+        self.sent = [0] * len(self.layouts)
         self._backward_window = (time.perf_counter(), float("inf"))
 
     def before_backward(self, block: int) -> None:
@@ -148,18 +153,21 @@ class SlideEngine:
             self.window.prefetch(behind)
         self.activations.prefetch(block - 1)
 
-    def on_gradient(self, unit: int) -> None:
-        self.arrived[unit] += 1
-        if self.arrived[unit] == len(self.layouts[unit].places):
-            self._unit_done(unit)
+    def on_gradient(self, unit: int, part: int) -> None:
+        self.arrived[unit][part] += 1
+        if self.arrived[unit][part] == len(self.gradients.parts[unit][part].places):
+            self._part_done(unit, part)
 
-    def _unit_done(self, unit: int) -> None:
-        places = self.layouts[unit].places
+    def _part_done(self, unit: int, part: int) -> None:
+        places = [self.layouts[unit].places[index] for index in self.gradients.parts[unit][part].places]
         grads = [place.param.grad for place in places]
         for place in places:
             place.param.grad = None
         update_now = not (self.accumulating or self.defer_updates)
-        self.gradients.reduce_and_offload(unit, grads, update_now)
+        self.gradients.reduce_and_offload(unit, part, grads, update_now)
+        self.sent[unit] += 1
+        if self.sent[unit] < len(self.gradients.parts[unit]):
+            return
         if unit == self.root:
             self.window.root_used()
         else:
@@ -167,9 +175,11 @@ class SlideEngine:
 
     def end_backward(self) -> None:
         """After ``loss.backward()``: units with some gradients missing (unused parameters) are sent as they are."""
-        for unit, count in enumerate(self.arrived):
-            if 0 < count < len(self.layouts[unit].places):
-                self._unit_done(unit)
+        for unit, counts in enumerate(self.arrived):
+            if any(counts):
+                for part, members in enumerate(self.gradients.parts[unit]):
+                    if counts[part] < len(members.places):
+                        self._part_done(unit, part)
         for block in list(self.window.resident):
             self.window.release(block)
         self.activations.clear()

@@ -17,6 +17,7 @@ the check costs a reduction at device bandwidth, and no host sync); with ``cpu_r
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -27,7 +28,7 @@ from compress.torch_compat import reduce_scatter_flat
 from lit_fsdp.errors import OneLineError
 from offload.cpu_adam import CpuAdam
 from offload.host import HostState
-from offload.host_memory import FLAG_ELEMENTS
+from offload.host_memory import FLAG_ELEMENTS, pieces
 from offload.transfers import Event, Transfers
 
 
@@ -41,6 +42,32 @@ def host_update_error(unit: int, error: Exception) -> HostUpdateError:
         return error
     cause = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
     return HostUpdateError(f"SlideFSDP: the host side of unit {unit}'s gradients failed ({type(error).__name__}: {cause})")
+
+
+@dataclass(frozen=True)
+class GradientPart:
+    """Parameters of a unit whose gradients go to the host together: ``layout`` lays them out from the part's start,
+    which is ``shard_offset`` in the unit's shard; ``places`` are their indices among the unit's places."""
+
+    layout: UnitLayout
+    places: range
+    shard_offset: int
+
+
+def gradient_parts(layout: UnitLayout, per_parameter: bool) -> list[GradientPart]:
+    """``layout``'s gradient parts: the whole unit, or (``per_parameter``, the root under ``gpu_reduce``) one part per
+    parameter, so that the head's gradient goes to its update at the start of the backward instead of waiting for
+    the embeddings' at its end."""
+    groups = [range(i, i + 1) for i in range(len(layout.places))] if per_parameter else [range(len(layout.places))]
+    parts = []
+    for places in groups:
+        first = layout.places[places[0]]
+        members = [replace(layout.places[i], full_offset=layout.places[i].full_offset - first.full_offset,
+                           shard_offset=layout.places[i].shard_offset - first.shard_offset) for i in places]
+        part = UnitLayout(layout.name, members, sum(m.numel for m in members), sum(m.chunk_numel for m in members),
+                          layout.shards)
+        parts.append(GradientPart(part, places, first.shard_offset))
+    return parts
 
 
 class GradientPipeline:
@@ -63,6 +90,7 @@ class GradientPipeline:
     ):
         """
         Args:
+            layouts: Every unit, blocks then the root (the last).
             adam: The CPU optimizer; None when not fitting (nothing is updated).
             shard_group: The node's ranks (reduce-scatter); replicate_group: the same shard on every node.
             host_group: A gloo group of all ranks used only from the worker thread (``cpu_reduce``).
@@ -74,40 +102,58 @@ class GradientPipeline:
         self.reduce_dtype = reduce_dtype
         self.world_size, self.shard_rank = world_size, shard_rank
         self.shard_group, self.replicate_group, self.host_group = shard_group, replicate_group, host_group
-        self.received = [0] * len(layouts)  # micro-batches added to each kept buffer since the last update
+        root = len(layouts) - 1
+        self.parts = [gradient_parts(layout, per_parameter=gpu_reduce and unit == root) for unit, layout in enumerate(layouts)]
+        self.capacity = host.piece_capacity
+        # ring buffers each unit's gradients take per micro-batch
+        self.pieces_per_unit = [sum(pieces(part.layout.shard_numel, self.capacity) for part in parts) for parts in self.parts]
+        self.received = [0] * len(layouts)  # pieces added to each kept buffer since the last update
         self.check_finite = check_finite
         self.flag_elements = FLAG_ELEMENTS if gpu_reduce and check_finite else 0  # the device's verdict, copied along
-        self.finite = [True] * len(layouts)  # the device's verdicts on each kept gradient's micro-batches, and-ed
-        self.nonfinite_units = 0  # updates withheld for non-finite gradients since the last take
+        self.finite = [True] * len(layouts)  # the device's verdicts on each kept gradient's pieces, and-ed
+        self.nonfinite_units: set[int] = set()  # units with an update withheld for non-finite gradients since the last take
 
-    def reduce_and_offload(self, unit: int, gradients: list[torch.Tensor | None], update_now: bool) -> None:
-        """Send ``unit``'s full gradients (device, one per parameter; None counts as zero) to the host update."""
-        layout = self.layouts[unit]
+    def reduce_and_offload(self, unit: int, part: int, gradients: list[torch.Tensor | None], update_now: bool) -> None:
+        """Send a part of ``unit``'s full gradients (device, one per parameter of the part; None counts as zero) to the
+        host update, in ring-buffer-sized pieces."""
+        piece_of = self.parts[unit][part]
+        layout = piece_of.layout
         device = next((g.device for g in gradients if g is not None), self.transfers.device)
         numel = layout.shard_numel * layout.shards
         unsharded = self.gpu_reduce and layout.shards == 1  # the flat buffer is the shard: room for the verdict in it
         flat = torch.empty(numel + (self.flag_elements if unsharded else 0), dtype=self.reduce_dtype, device=device)
         layout.scatter_to_rank_major(gradients, flat[:numel])
-        if self.gpu_reduce:
-            outgoing = flat
-            if not unsharded:
-                outgoing = torch.empty(layout.shard_numel + self.flag_elements, dtype=self.reduce_dtype, device=device)
-                reduce_scatter_flat(outgoing[: layout.shard_numel], flat, group=self.shard_group)
-            shard = outgoing[: layout.shard_numel]
-            if self.replicate_group is not None:
-                dist.all_reduce(shard, group=self.replicate_group)
-            if self.world_size > 1:
-                shard.div_(self.world_size)
-            if self.flag_elements:  # one reduction on the device, queued: no host sync
-                outgoing[layout.shard_numel :].copy_(torch.isfinite(shard.sum(dtype=torch.float32)).reshape(1))
-        else:
-            outgoing = flat
-        incoming = self.host.incoming.acquire(outgoing.numel(), self.adam.failure)
-        copied = self.transfers.d2h(incoming, outgoing)
-        self.adam.submit(partial(self._on_host, unit, incoming, copied, update_now))
+        if not self.gpu_reduce:  # the whole gradient, reduced on the host: one piece (the ring is sized for it)
+            incoming = self.host.incoming.acquire(numel, self.adam.failure)
+            copied = self.transfers.d2h(incoming, flat)
+            self.adam.submit(partial(self._on_host, unit, 0, layout.shard_numel, incoming, copied, update_now))
+            return
+        outgoing = flat
+        if not unsharded:
+            outgoing = torch.empty(layout.shard_numel + self.flag_elements, dtype=self.reduce_dtype, device=device)
+            reduce_scatter_flat(outgoing[: layout.shard_numel], flat, group=self.shard_group)
+        n = layout.shard_numel
+        shard, verdict = outgoing[:n], outgoing[n:]
+        if self.replicate_group is not None:
+            dist.all_reduce(shard, group=self.replicate_group)
+        if self.world_size > 1:
+            shard.div_(self.world_size)
+        if self.flag_elements:  # one reduction on the device, queued: no host sync
+            verdict.copy_(torch.isfinite(shard.sum(dtype=torch.float32)).reshape(1))
+        for start in range(0, n, self.capacity):
+            stop = min(n, start + self.capacity)
+            incoming = self.host.incoming.acquire(stop - start + self.flag_elements, self.adam.failure)
+            if stop - start == n:
+                copied = self.transfers.d2h(incoming, outgoing)
+            else:  # the part's verdict after each of its pieces
+                self.transfers.d2h(incoming[: stop - start], shard[start:stop])
+                copied = self.transfers.d2h(incoming[stop - start :], verdict)  # after the piece, on the same stream
+            offset = piece_of.shard_offset
+            self.adam.submit(partial(self._on_host, unit, offset + start, offset + stop, incoming, copied, update_now))
 
-    def _on_host(self, unit: int, incoming: torch.Tensor, copied: Event, update_now: bool) -> None:
-        """Worker thread: the unit's gradient is (being) copied into ``incoming``; reduce it here if needed, apply it.
+    def _on_host(self, unit: int, start: int, stop: int, incoming: torch.Tensor, copied: Event, update_now: bool) -> None:
+        """Worker thread: rows ``[start, stop)`` of ``unit``'s shard are (being) copied into ``incoming``; reduce them here
+        if needed, apply them.
 
         Whatever fails, the buffer goes back to the ring, and the error becomes one line naming the unit:
         the backward waiting for a buffer and the optimizer step waiting for the worker raise it.
@@ -120,13 +166,14 @@ class GradientPipeline:
                 self.host.incoming.release(incoming)
 
         try:
-            self._apply_on_host(unit, incoming, copied, update_now, release)
+            self._apply_on_host(unit, start, stop, incoming, copied, update_now, release)
         except Exception as error:
             raise host_update_error(unit, error) from error
         finally:
             release()
 
-    def _apply_on_host(self, unit: int, incoming: torch.Tensor, copied: Event, update_now: bool, release) -> None:
+    def _apply_on_host(self, unit: int, start: int, stop: int, incoming: torch.Tensor, copied: Event, update_now: bool,
+                       release) -> None:
         self.transfers.synchronize(copied)
         layout = self.layouts[unit]
         finite = None  # not known yet: the host checks
@@ -140,44 +187,47 @@ class GradientPipeline:
             if self.world_size > 1:
                 shard.div_(self.world_size)
         if self.host.gradients is not None:
-            kept = self.host.gradients[unit]
-            if self.received[unit]:
-                kept.add_(shard)
-            else:
-                kept.copy_(shard)
+            kept = self.host.gradients[unit][start:stop]
+            if self.received[unit] == 0:
                 self.finite[unit] = True
+            if self.received[unit] < self.pieces_per_unit[unit]:  # the first micro-batch's pieces come first
+                kept.copy_(shard)
+            else:
+                kept.add_(shard)
             self.finite[unit] &= finite is not False
             self.received[unit] += 1
             release()  # the kept buffer holds the gradient now
-            if update_now:
+            if update_now and self.received[unit] % self.pieces_per_unit[unit] == 0:
                 self.update(unit)
             return
-        self._step(unit, shard, finite)  # a bfloat16 gradient is read as it is, chunk by chunk (offload.cpu_adam)
+        self._step(unit, start, stop, shard, finite)  # a bfloat16 gradient is read as it is, chunk by chunk (offload.cpu_adam)
 
     def update(self, unit: int) -> None:
         """Apply the kept gradient of ``unit`` (worker thread or idle worker)."""
         try:
-            self._step(unit, self.host.gradients[unit], self.finite[unit] if self.flag_elements else None)
+            self._step(unit, 0, self.layouts[unit].shard_numel, self.host.gradients[unit],
+                       self.finite[unit] if self.flag_elements else None)
         except Exception as error:
             raise host_update_error(unit, error) from error
         self.received[unit] = 0
 
-    def _step(self, unit: int, gradient: torch.Tensor, finite: bool | None) -> None:
-        """Update ``unit`` and its staging rows in one pass, unless its gradient is not finite (``finite``: the device's
-        verdict; None: the host checks with one reduction, no mask the size of the gradient)."""
+    def _step(self, unit: int, start: int, stop: int, gradient: torch.Tensor, finite: bool | None) -> None:
+        """Update rows ``[start, stop)`` of ``unit``'s shard and their staging rows in one pass, unless the gradient is not
+        finite (``finite``: the device's verdict on its part; None: the host checks with one reduction, no mask the
+        size of the gradient)."""
         if self.check_finite:
             if finite is None:
                 finite = bool(torch.isfinite(gradient.sum(dtype=torch.float32)))
             if not finite:
-                self.nonfinite_units += 1
+                self.nonfinite_units.add(unit)
                 return
-        self.adam.update(unit, self.layouts[unit].local_views(gradient), self.host.staging_targets(unit))
+        self.adam.update_rows(unit, gradient, start, stop, self.host.staging_targets(unit))
 
     def take_nonfinite(self) -> int:
         """Units whose update was withheld for non-finite gradients since the last call (after the worker is idle)."""
         self.adam.wait()
-        count, self.nonfinite_units = self.nonfinite_units, 0
-        return count
+        withheld, self.nonfinite_units = self.nonfinite_units, set()
+        return len(withheld)
 
     def discard(self) -> None:
         """Forget the kept gradients of this step: the optimizer step then updates nothing."""

@@ -9,8 +9,9 @@ Per unit and rank:
   keeps its own rows (shard layout) and the devices all-gather the rest. With ``full`` every rank
   copies whole blocks, so the node keeps one full copy (full layout) in shared memory that each rank
   writes its rows into after its update; one process alone keeps it in private memory.
-- **gradients**: a ring of pinned buffers the reduced gradients land in from the device (each followed by
-  the device's verdict on whether they are finite); with
+- **gradients**: a ring of pinned buffers, each the size of the largest block's shard, the reduced gradients
+  land in from the device (a larger part of the root in several pieces), each piece followed by the device's
+  verdict on whether its part is finite; with
   gradient accumulation or clipping also one fp32 buffer per unit that holds the sum until the
   optimizer step (clipping needs every gradient before the first update).
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
 from compress.layout import UnitLayout
-from offload.host_memory import FLAG_ELEMENTS
+from offload.host_memory import FLAG_ELEMENTS, UnitSize, piece_capacity
 
 SHM_DIR = Path("/dev/shm")
 
@@ -217,8 +218,9 @@ class HostState:
         self.staging_region = shared.region if shared is not None else HostRegion.empty(sum(sizes), compute_dtype, pin)
         self.staging = list(self.staging_region.tensor[: sum(sizes)].split(sizes))
         self.gradients = [torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=False) for layout in layouts] if keep_gradients else None
-        largest = max(layout.shard_numel * (layout.shards if incoming_full else 1) for layout in layouts)
-        self.incoming = BufferRing(ring_size, largest + FLAG_ELEMENTS, reduce_dtype, pin)
+        units = [UnitSize(layout.full_numel, layout.shard_numel) for layout in layouts]
+        self.piece_capacity = piece_capacity(units, incoming_full, layouts[0].shards)
+        self.incoming = BufferRing(ring_size, self.piece_capacity + FLAG_ELEMENTS, reduce_dtype, pin)
 
     def staging_targets(self, unit: int) -> list[torch.Tensor]:
         """Where this rank's rows of each of ``unit``'s parameters go in the staging copy (views, ``local_views`` order)."""

@@ -22,15 +22,20 @@ FLAG_ELEMENTS = 1
 
 @dataclass(frozen=True)
 class UnitSize:
-    """One unit (a block, or the root): its parameters' elements whole, and one rank's padded shard of them."""
+    """One unit (a block, or the root): its parameters' elements whole, one rank's padded shard of them, and the shard
+    elements of each part its gradients go to the host in (``offload.gradients.gradient_parts``; empty: one part)."""
 
     full_numel: int
     shard_numel: int
+    parts: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, full_numel: int, shards: int) -> "UnitSize":
         """An estimate from the element count alone (rows padded to whole shards are left out)."""
         return cls(full_numel, math.ceil(full_numel / shards))
+
+    def part_sizes(self) -> tuple[int, ...]:
+        return self.parts or (self.shard_numel,)
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,32 @@ def ring_size(window: int) -> int:
     return max(2, window)
 
 
+#: Piece sizes are multiples of this many elements: a piece then starts where a whole update's vector lanes would, and
+#: the fused AdamW kernel rounds its elements exactly as when the part is updated at once
+PIECE_ALIGNMENT = 64
+
+
+def piece_capacity(units: Sequence[UnitSize], incoming_full: bool, ranks: int) -> int:
+    """Gradient elements one ring buffer holds (its flag aside): the largest block's shard (rounded up to
+    ``PIECE_ALIGNMENT``), so that the root's larger parts (a 128k-vocabulary embedding) go to the host in pieces
+    instead of sizing every buffer; with whole gradients (``cpu_reduce``), the largest unit's whole gradient."""
+    if incoming_full:
+        return max(unit.shard_numel for unit in units) * ranks
+    largest = max(unit.shard_numel for unit in (units[:-1] or units))
+    return math.ceil(largest / PIECE_ALIGNMENT) * PIECE_ALIGNMENT
+
+
+def pieces(part_numel: int, capacity: int) -> int:
+    """Ring buffers a gradient part of ``part_numel`` elements goes to the host in."""
+    return max(1, math.ceil(part_numel / capacity))
+
+
 def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
     """Bytes per node of each host buffer for ``units`` (blocks, then the root)."""
     ranks = setup.processes
     full = sum(unit.full_numel for unit in units)
     shard = sum(unit.shard_numel for unit in units)
-    incoming = max(unit.shard_numel * (ranks if setup.incoming_full else 1) for unit in units) + FLAG_ELEMENTS
+    incoming = piece_capacity(units, setup.incoming_full, ranks) + FLAG_ELEMENTS
     parts = {
         "master": ranks * shard * 4,
         "adam_moments": full * 2 * setup.optimizer_state_dtype.itemsize,  # exp_avg and exp_avg_sq of each rank's rows

@@ -33,7 +33,7 @@ from lit_fsdp.reliability import OnNonFinite
 from lit_fsdp.strategy import CausalLMStrategy, DType
 from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, SlideEngine
-from offload.gradients import GradientPipeline
+from offload.gradients import GradientPipeline, gradient_parts
 from offload.host import HostState, SharedStaging, can_pin, check_shared_memory, node_tag
 from offload.host_memory import (HostSetup, UnitSize, describe, host_buffers, offloaded_activation_bytes, ring_size,
                                   with_runtime)
@@ -198,7 +198,9 @@ class SlideFSDPStrategy(CausalLMStrategy):
         with torch.device("meta"):
             network = AutoModelForCausalLM.from_config(module.hf_config(datamodule))
         block_layouts, root_layout = build_layouts(network, find_blocks(network, self.block_class), shards, 0)
-        return [UnitSize(layout.full_numel, layout.shard_numel) for layout in [*block_layouts, root_layout]]
+        root_parts = gradient_parts(root_layout, per_parameter=self.grad_sync == "gpu_reduce")
+        return [*(UnitSize(layout.full_numel, layout.shard_numel) for layout in block_layouts),
+                UnitSize(root_layout.full_numel, root_layout.shard_numel, tuple(p.layout.shard_numel for p in root_parts))]
 
     def host_buffer_estimate(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None,
                              compute: torch.dtype | None = None, units: list[UnitSize] | None = None) -> dict[str, int]:

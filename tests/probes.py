@@ -180,7 +180,7 @@ class FailHostSide(pl.Callback):
             raise RuntimeError(f"injected {self.where} failure")
 
         if self.where == "update":
-            gradients.adam.update = fail
+            gradients.adam.update_rows = fail
         elif self.where == "d2h":
             gradients.transfers.synchronize = fail
         else:

@@ -42,7 +42,7 @@ def test_the_8b_offload_case_on_one_h100_is_bound_by_the_cpu_update_and_fits_its
     main(["--config", str(QUICKSTART), "--config", str(REPO / "configs" / "llama_8b_offload.yaml"),
           "--tune.hardware", str(H100), "--json"])
     figures = json.loads(capsys.readouterr().out)
-    assert round(figures["host_bytes"] / GIB, 1) == 115.6 and figures["fits"]
+    assert round(figures["host_bytes"] / GIB, 1) == 112.5 and figures["fits"]
     assert figures["host_by_buffer"]["runtime"] == 3 * GIB
     assert figures["tokens_per_step"] == 8 * 2048 and figures["strategy"] == "slide_fsdp"
     # 28 B/param in one pass per chunk: AdamW's weight and moments read and written (24), the bfloat16 gradient read

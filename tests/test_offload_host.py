@@ -152,11 +152,12 @@ def test_the_8b_offload_config_fits_a_128_gib_host_with_8_gib_to_spare_and_is_re
     parts = strategy.check_host_memory(trainer, module, data, available=128 * GIB)
     assert round(parts["master"] / GIB, 1) == 29.9 and round(parts["adam_moments"] / GIB, 1) == 59.8
     assert round(parts["staging"] / GIB, 1) == 15.0  # bfloat16, one exact-size region: no power-of-two rounding
-    assert parts["gradient_ring"] == 2 * (1_050_677_248 + 1) * 2  # window 2 x the root's bfloat16 gradient and its flag
+    # window 2 x the largest block's bfloat16 gradient and its flag: the root's 1.05B (embeddings, head) go in pieces
+    assert parts["gradient_ring"] == 2 * (218_112_000 + 1) * 2
     assert parts["activations"] == 32 * 8 * 2048 * 4096 * 2  # every block's checkpointed input, bfloat16
     assert parts["kept_gradients"] == 0  # no clipping, no accumulation
     assert 128 * GIB - sum(parts.values()) >= 8 * GIB
-    with pytest.raises(ValueError, match=r"^SlideFSDP needs 115.6 GiB of host memory per node for 8.03B parameters "
+    with pytest.raises(ValueError, match=r"^SlideFSDP needs 112.5 GiB of host memory per node for 8.03B parameters "
                                          r"\(adam_moments 59.8, master 29.9, .*\) but 96.0 GiB are available; use"):
         strategy.check_host_memory(trainer, module, data, available=96 * GIB)
 
@@ -188,9 +189,9 @@ def test_the_8b_offload_config_with_bfloat16_moments_needs_under_12_gb_per_billi
     strategy, trainer, module, data = _llama_8b_offload()
     strategy.optimizer_state_dtype = "bfloat16"
     parts = strategy.check_host_memory(trainer, module, data, available=128 * GIB)
-    assert round(parts["adam_moments"] / GIB, 1) == 29.9 and round(sum(parts.values()) / GIB, 1) == 85.7
+    assert round(parts["adam_moments"] / GIB, 1) == 29.9 and round(sum(parts.values()) / GIB, 1) == 82.6
     parameters = parts["adam_moments"] // 4
-    assert sum(parts.values()) / parameters < 12  # GB per billion, the runtime allowance included (float32: 15.5)
+    assert sum(parts.values()) / parameters < 12  # GB per billion, the runtime allowance included (float32: 15.0)
     # the update moves 20 B/param instead of 28: the moments are read and written in 2 bytes each instead of 4
     trainer.strategy = strategy
     assert cpu_update_bytes(trainer, parameters, torch.bfloat16, torch.bfloat16) == parameters * 20
@@ -327,3 +328,67 @@ def test_a_checkpoint_of_float32_moments_resumes_with_bfloat16_moments_rounded_t
     assert loaded["exp_avg"].dtype == torch.bfloat16 and loaded["step"].item() == saved["step"].item() == 2
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(loaded[key], saved[key].bfloat16())  # rounded to nearest on the way in
+
+
+def _pipeline(capacity: int, keep: bool, seed: int = 0):
+    """One process's gradient pipeline over a block and a root (3 parameters), its ring buffers holding ``capacity``
+    gradient elements (as if its largest block had that many), copies emulated as asynchronous; the master rows start
+    from ``seed``."""
+    from offload.host_memory import FLAG_ELEMENTS
+    from compress.layout import UnitLayout
+    from offload.gradients import GradientPipeline
+    from offload.transfers import Transfers
+
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [[(4, 8)], [(40, 8), (10,), (30, 8)]]  # the root is larger than the block: it goes in pieces
+    params = [[torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in unit] for unit in shapes]
+    layouts = [UnitLayout.build(f"unit{u}", [((f"p{u}{i}",), p) for i, p in enumerate(unit)], 1, 0)
+               for u, unit in enumerate(params)]
+    state = host.HostState(layouts, torch.float32, torch.bfloat16, full_staging=True, keep_gradients=keep,
+                           incoming_full=False, ring_size=2, pin=False, shared=None)
+    for master in state.master:
+        master.copy_(torch.randn(master.shape, generator=generator))
+    for unit in range(len(layouts)):
+        state.write_staging(unit)
+    state.piece_capacity = capacity
+    state.incoming = host.BufferRing(2, capacity + FLAG_ELEMENTS, torch.bfloat16, pin=False)
+    held = torch.optim.AdamW([p for unit in params for p in unit], lr=1e-2)
+    adam = cpu_adam.CpuAdam(layouts, state.master, held)
+    pipeline = GradientPipeline(layouts, state, adam, Transfers(torch.device("cpu"), emulated_delay_ms=2.0),
+                                gpu_reduce=True, reduce_dtype=torch.bfloat16, world_size=1, shard_rank=0, shard_group=None,
+                                replicate_group=None, host_group=None, check_finite=True)
+    return pipeline, params
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["overlapped", "kept"])
+def test_a_root_larger_than_a_ring_buffer_goes_in_pieces_and_lands_as_if_whole(keep):
+    """The root's parameters go one by one, each in ring-buffer-sized pieces with the device's verdict after each: the
+    weights, moments and staging rows equal one whole-unit update's; a non-finite parameter withholds its own part."""
+    runs = []
+    for capacity in (1024, 128):  # every part whole, against the root's parts in pieces of 128 (320: 3, 240: 2)
+        pipeline, params = _pipeline(capacity, keep)
+        assert [len(parts) for parts in pipeline.parts] == [1, 3]  # the block whole, the root parameter by parameter
+        generator = torch.Generator().manual_seed(1)
+        for step in range(3):
+            micro_batches = 2 if keep else 1
+            for micro_batch in range(micro_batches):
+                for unit in (1, 0):
+                    for part, members in enumerate(pipeline.parts[unit]):
+                        grads = [torch.randn(params[unit][i].shape, generator=generator).bfloat16() for i in members.places]
+                        if step == 2 and unit == 1 and part == 1:
+                            grads[0][3] = float("inf")
+                        pipeline.reduce_and_offload(unit, part, grads, update_now=micro_batch == micro_batches - 1)
+            pipeline.adam.wait()
+            if step == 2:
+                assert pipeline.take_nonfinite() == 1  # the root: the part with the infinity (kept: the whole root)
+        pipeline.adam.close()
+        runs.append(pipeline)
+    whole, pieces = runs
+    assert whole.pieces_per_unit == [1, 3] and pieces.pieces_per_unit == [1, 3 + 1 + 2]
+    for unit in (0, 1):
+        assert torch.equal(whole.host.master[unit], pieces.host.master[unit])
+        assert torch.equal(whole.host.staging[unit], pieces.host.staging[unit])
+        assert torch.equal(pieces.host.staging[unit], pieces.host.master[unit])  # float32 staging: the new weights
+        for a, b in zip(whole.adam.pieces[unit], pieces.adam.pieces[unit]):
+            sa, sb = whole.adam.optimizers[unit].state[a], pieces.adam.optimizers[unit].state[b]
+            assert all(torch.equal(sa[key], sb[key]) for key in sa)

@@ -10,6 +10,7 @@ from lit_fsdp.presets import build_config
 from lit_fsdp.tune.hardware import Hardware
 from lit_fsdp.tune.memory import GIB, MemoryFilter, ModelShape, estimate
 from lit_fsdp.tune.space import Candidate, RunShape
+from offload.host_memory import UnitSize, piece_capacity
 from tests.helpers import BLOCK, HIDDEN, INNER, LAYERS, ROOT, TINY, VOCAB
 
 
@@ -76,7 +77,7 @@ def test_slide_fsdp_keeps_a_window_on_the_device_and_14_to_20_bytes_per_paramete
     assert gpu.working_set == (2 * BLOCK + ROOT) * 2 + (ROOT + 2 * BLOCK) * 4
     assert gpu.activations == m * s * (8 * HIDDEN + 2 * INNER) * 2  # inputs on the host; one block recomputed
     offloaded_inputs = LAYERS * m * s * HIDDEN * 2 * 2  # per process, 2 processes
-    ring = 2 * 2 * (ROOT // 2 + 1) * 4  # 2 processes x 2 buffers x (the largest unit's shard (the root's) + a flag), float32
+    ring = 2 * 2 * (piece_capacity([UnitSize.of(BLOCK, 2)], False, 2) + 1) * 4  # 2 processes x 2 x (a block's shard + flag)
     assert gpu.host_per_node == TINY.parameters * (4 + 8 + 2) + ring + offloaded_inputs
     clipped = estimate(slide, TINY, run_shape(accelerator="cuda", batch=m, clipping=True))
     assert clipped.host_per_node - gpu.host_per_node == 4 * TINY.parameters  # kept gradients
@@ -104,7 +105,7 @@ def test_the_filter_rejects_offloaded_state_that_does_not_fit_in_host_memory():
     hardware = Hardware(accelerator="cpu", device_memory_gb=16.0, host_memory_gb=0.002)
     memory = MemoryFilter(TINY, run_shape(clipping=True), hardware, margin=0.1)
     slide = Candidate(strategy="slide_fsdp", micro_batch=8)
-    needed = (TINY.parameters * 20 + 2 * 2 * (ROOT // 2 + 1) * 4) / GIB  # 20 B/param, the float32 ring
+    needed = (TINY.parameters * 20 + 2 * 2 * (piece_capacity([UnitSize.of(BLOCK, 2)], False, 2) + 1) * 4) / GIB  # 20 B/param, the float32 ring
     assert math.isclose(memory.estimate(slide).host_per_node / GIB, needed, rel_tol=1e-9)
     assert "of host memory per node for offloaded state" in memory.rejection(slide)
     assert memory.rejection(Candidate(micro_batch=8)) is None
