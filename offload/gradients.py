@@ -116,8 +116,8 @@ class GradientPipeline:
     def reduce_and_offload(self, unit: int, part: int, gradients: list[torch.Tensor | None], update_now: bool) -> None:
         """Send a part of ``unit``'s full gradients (device, one per parameter of the part; None counts as zero) to the
         host update, in ring-buffer-sized pieces."""
-        piece_of = self.parts[unit][part]
-        layout = piece_of.layout
+        sent = self.parts[unit][part]
+        layout = sent.layout
         device = next((g.device for g in gradients if g is not None), self.transfers.device)
         numel = layout.shard_numel * layout.shards
         unsharded = self.gpu_reduce and layout.shards == 1  # the flat buffer is the shard: room for the verdict in it
@@ -148,8 +148,8 @@ class GradientPipeline:
             else:  # the part's verdict after each of its pieces
                 self.transfers.d2h(incoming[: stop - start], shard[start:stop])
                 copied = self.transfers.d2h(incoming[stop - start :], verdict)  # after the piece, on the same stream
-            offset = piece_of.shard_offset
-            self.adam.submit(partial(self._on_host, unit, offset + start, offset + stop, incoming, copied, update_now))
+            self.adam.submit(partial(self._on_host, unit, sent.shard_offset + start, sent.shard_offset + stop, incoming,
+                                     copied, update_now))
 
     def _on_host(self, unit: int, start: int, stop: int, incoming: torch.Tensor, copied: Event, update_now: bool) -> None:
         """Worker thread: rows ``[start, stop)`` of ``unit``'s shard are (being) copied into ``incoming``; reduce them here
