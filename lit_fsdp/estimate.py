@@ -222,12 +222,12 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     step_time = bound = mfu = None
     if not missing:
         step_time = max(times.values())
-        if candidate.strategy == "slide_fsdp":  # the updates overlap the backward only, or follow it
+        if candidate.strategy == "slide_fsdp":  # the updates overlap a backward (this step's or, delayed, the next's)
             forward = model_flops / 3 / (peak * 1e12)
-            if strategy.defers_updates(trainer):
-                step_time = max(step_time, times["compute_s"] + times["cpu_update_s"])
-            else:
+            if strategy.overlaps_updates(trainer):
                 step_time = max(step_time, forward + max(times["compute_s"] - forward, times["cpu_update_s"]))
+            else:  # or follow it
+                step_time = max(step_time, times["compute_s"] + times["cpu_update_s"])
         bound = max(times, key=times.get).removesuffix("_s")
         mfu = model_flops / (step_time * peak * 1e12)
     device_total, host_total = sum(device.values()), sum(host.values())

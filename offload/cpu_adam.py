@@ -95,6 +95,7 @@ class CpuAdam:
                 raise ValueError(f"SlideFSDP's bfloat16 optimizer state has no {option}: set {option}=False in "
                                  "configure_optimizers or optimizer_state_dtype: float32")
         self.held, self.state_dtype = held, state_dtype
+        self.frozen: list[dict] | None = None  # the hyperparameters per held group (``freeze_hyperparameters``)
         # the chunked update's float32 copies, used by the worker thread only (one update at a time)
         self._scratch = torch.empty(3, CHUNK)
         group_of = {id(p): index for index, group in enumerate(held.param_groups) for p in group["params"]}
@@ -125,8 +126,16 @@ class CpuAdam:
         self.update_intervals: list[tuple[float, float]] = []  # (start, end) perf_counter of each update
 
     def _hyperparameters(self, index: int) -> dict:
+        if self.frozen is not None:
+            return self.frozen[index]
         group = self.held.param_groups[index]
         return {key: group[key] for key in _HYPERPARAMETERS if key in group}
+
+    def freeze_hyperparameters(self) -> None:
+        """Updates from now on take the held optimizer's hyperparameters as they are now, not as they are when the
+        update runs: a delayed update applies a step with its own learning rate after the scheduler has moved on."""
+        self.frozen = None
+        self.frozen = [self._hyperparameters(index) for index in range(len(self.held.param_groups))]
 
     def _fresh_state(self, piece: torch.Tensor, optimizer: torch.optim.AdamW) -> dict[str, torch.Tensor]:
         """AdamW's state of ``piece`` (its keys and shapes), the moments in ``state_dtype``."""

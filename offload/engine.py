@@ -11,7 +11,9 @@
   head's update starts with the backward, the embeddings' at its end.
 - **optimizer step**: wait for the outstanding updates; with clipping (or ``on_nonfinite: skip_step``),
   first the global norm, then every update (the updates cannot start before the norm is known: that
-  overlap is lost).
+  overlap is lost), unless they are delayed by one step (``delayed_update``, ZeRO-Offload's DPU): then
+  each unit's update runs during the next step's backward, when its next gradient reaches the host, and
+  the next step computes with weights one update old.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class SlideEngine:
         self.phase = IDLE
         self.accumulating = False  # inside Lightning's block_backward_sync: no update at this backward
         self.defer_updates = False  # clipping or skip_step: updates wait for the end of the backward
+        self.delay_updates = False  # DPU: each update runs during the next step's backward (``GradientPipeline.delay_kept``)
         self.arrived: list[list[int]] = []  # gradients accumulated per unit and gradient part in the current backward
         self.sent = [0] * len(layouts)  # gradient parts sent per unit in the current backward
         self.last_step: OffloadStep | None = None  # the figures of the last optimizer step
@@ -191,9 +194,14 @@ class SlideEngine:
     def finish_step(self, adam: CpuAdam) -> OffloadStep:
         """Wait for every CPU update of this step (starting the kept ones first) and account for it."""
         adam.wait()  # the gradients of this step have all arrived (and were applied, without clipping)
-        for unit in self.gradients.kept_units():  # with clipping: every update, now that the norm is known
-            adam.submit(lambda u=unit: self.gradients.update(u))
-        adam.wait()
+        if self.delay_updates:  # DPU: the last step's updates ran during this backward (or run now: no gradient came)
+            self.gradients.run_delayed()
+            adam.freeze_hyperparameters()
+            self.gradients.delay_kept()
+        else:
+            for unit in self.gradients.kept_units():  # with clipping: every update, now that the norm is known
+                adam.submit(lambda u=unit: self.gradients.update(u))
+            adam.wait()
         self.window.root_stale = True
         totals = self.transfers.take_totals()
         intervals, adam.update_intervals = adam.update_intervals, []

@@ -112,6 +112,7 @@ class GradientPipeline:
         self.flag_elements = FLAG_ELEMENTS if gpu_reduce and check_finite else 0  # the device's verdict, copied along
         self.finite = [True] * len(layouts)  # the device's verdicts on each kept gradient's pieces, and-ed
         self.nonfinite_units: set[int] = set()  # units with an update withheld for non-finite gradients since the last take
+        self.delayed: set[int] = set()  # units whose kept gradient is applied during the next step (``delay_kept``)
 
     def reduce_and_offload(self, unit: int, part: int, gradients: list[torch.Tensor | None], update_now: bool) -> None:
         """Send a part of ``unit``'s full gradients (device, one per parameter of the part; None counts as zero) to the
@@ -187,6 +188,9 @@ class GradientPipeline:
             if self.world_size > 1:
                 shard.div_(self.world_size)
         if self.host.gradients is not None:
+            if unit in self.delayed:  # the last step's update, delayed until now: see ``delay_kept``
+                self.delayed.discard(unit)
+                self.update(unit)
             kept = self.host.gradients[unit][start:stop]
             if self.received[unit] == 0:
                 self.finite[unit] = True
@@ -230,15 +234,36 @@ class GradientPipeline:
         return len(withheld)
 
     def discard(self) -> None:
-        """Forget the kept gradients of this step: the optimizer step then updates nothing."""
+        """Forget the kept gradients of this step: the optimizer step then updates nothing (a delayed update of the
+        last step that is still waiting is kept)."""
         self.adam.wait()
-        self.received = [0] * len(self.layouts)
+        self.received = [count if unit in self.delayed else 0 for unit, count in enumerate(self.received)]
 
     # --- at the optimizer step -------------------------------------------------------------------
 
     def kept_units(self) -> list[int]:
-        """Units whose kept gradient has not been applied yet."""
-        return [unit for unit, count in enumerate(self.received) if count]
+        """Units whose kept gradient of this step has not been applied yet."""
+        return [unit for unit, count in enumerate(self.received) if count and unit not in self.delayed]
+
+    def delay_kept(self) -> None:
+        """Apply the kept gradients during the next step instead of now (the one-step delayed update, DPU).
+
+        A unit's delayed update runs on the worker when the first piece of its next gradient is on the host: its
+        slot on the worker comes before that piece overwrites the kept buffer, and (with more than one rank per node)
+        the gradient's collective, done on every rank, shows that every rank has loaded the unit for the last time
+        in this step, so a shared staging copy is not rewritten under another rank's load.
+        """
+        self.adam.wait()
+        self.delayed = set(self.kept_units())
+
+    def run_delayed(self) -> None:
+        """Apply the delayed updates still waiting (a unit that got no gradient, or before a checkpoint, a validation
+        or the end of training), and wait for them."""
+        self.adam.wait()
+        for unit in sorted(self.delayed):
+            self.adam.submit(partial(self.update, unit))
+        self.delayed = set()
+        self.adam.wait()
 
     def clip_kept(self, max_norm: float | None, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
         """Scale the kept gradients so that their global norm is at most ``max_norm`` (if set); returns the norm before.

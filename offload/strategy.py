@@ -89,6 +89,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         activation_checkpointing: int = 0,
         cpu_threads: int | None = None,
         optimizer_state_dtype: OptimizerStateDType = "float32",
+        delayed_update: bool = False,
         pin_memory: bool = True,
         block_class: str | None = None,
         on_nonfinite: OnNonFinite = "stop",
@@ -115,6 +116,11 @@ class SlideFSDPStrategy(CausalLMStrategy):
                 on (affinity, cgroup CPU quota) / processes per node, less one left to the thread that launches kernels.
             optimizer_state_dtype: AdamW moments on the host; ``bfloat16`` halves them (8 -> 4 B/param; the update
                 still computes in float32, and the moments are rounded to nearest after it).
+            delayed_update: Apply each step's CPU updates during the next step's backward (ZeRO-Offload's one-step
+                delayed parameter update, DPU): with clipping or ``on_nonfinite: skip_step`` the updates then overlap
+                the backward instead of following it, and every step computes with weights one update old. A
+                checkpoint, a validation and the end of training apply the waiting update first. Keeps each unit's
+                gradient on the host (4 B/param); not with gradient accumulation.
             pin_memory: Pin the host buffers that cross PCIe (GPU only); if pinning fails it is turned off with a warning.
             block_class: Class name of the transformer block; default: the model's ``_no_split_modules``.
             on_nonfinite: A step whose loss or gradients are not finite: ``stop`` the run before anything non-finite is
@@ -142,6 +148,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         self.activation_offload = activation_offload
         self.cpu_threads = cpu_threads
         self.optimizer_state_dtype = optimizer_state_dtype
+        self.delayed_update = delayed_update
         self.pin_memory = pin_memory
         self.engine: SlideEngine | None = None
         self.host: HostState | None = None
@@ -157,8 +164,13 @@ class SlideFSDPStrategy(CausalLMStrategy):
         return (num_nodes, world_size // num_nodes)
 
     def defers_updates(self, trainer: pl.Trainer) -> bool:
-        """Clipping and skipping non-finite steps need every gradient before the first update of a step."""
-        return bool(trainer.gradient_clip_val) or self.on_nonfinite == "skip_step"
+        """Clipping and skipping non-finite steps need every gradient before the first update of a step; a delayed
+        update waits for the next step."""
+        return bool(trainer.gradient_clip_val) or self.on_nonfinite == "skip_step" or self.delayed_update
+
+    def overlaps_updates(self, trainer: pl.Trainer) -> bool:
+        """The CPU updates run during a backward (this step's, or the next one's when delayed), not after it."""
+        return self.delayed_update or not self.defers_updates(trainer)
 
     def keeps_gradients(self, trainer: pl.Trainer) -> bool:
         """Accumulation and deferred updates need each unit's gradient kept on the host until the optimizer step."""
@@ -170,6 +182,12 @@ class SlideFSDPStrategy(CausalLMStrategy):
             raise ValueError(
                 "SlideFSDP param_transfer: shard all-gathers each block across the devices of a node, but there is "
                 "one process per node; use param_transfer: full or more --trainer.devices"
+            )
+        if self.delayed_update and trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"SlideFSDP delayed_update applies a step's update during the next step's first backward, so the "
+                f"{trainer.accumulate_grad_batches} micro-batches of a step would compute with different weights; "
+                "set delayed_update: false or accumulate_grad_batches: 1"
             )
         if self.grad_sync == "cpu_reduce" and self.root_device.type == "cuda" and trainer.num_nodes * trainer.num_devices > 1:
             raise ValueError(
@@ -308,6 +326,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             self.activation_offload == "cpu", pin,
         )
         self.engine.defer_updates = self.defers_updates(trainer)
+        self.engine.delay_updates = self.delayed_update
         self._describe(layouts, compute, shards, pin)
 
     def _describe(self, layouts: list, compute: torch.dtype, shards: int, pin: bool) -> None:
@@ -404,6 +423,22 @@ class SlideFSDPStrategy(CausalLMStrategy):
         self._staging_barrier()
         return result
 
+    def apply_delayed_updates(self) -> None:
+        """Apply the update ``delayed_update`` keeps for the next step now, on every rank (before weights are read)."""
+        if self.engine is None or self.adam is None or not self.engine.gradients.delayed:
+            return
+        self.engine.gradients.run_delayed()
+        self.engine.window.root_stale = True
+        self._staging_barrier()
+
+    def on_validation_start(self) -> None:
+        self.apply_delayed_updates()
+        super().on_validation_start()
+
+    def on_train_end(self) -> None:
+        self.apply_delayed_updates()
+        super().on_train_end()
+
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Micro-batches that do not end an accumulation window add their gradients on the host, with no update."""
@@ -418,10 +453,12 @@ class SlideFSDPStrategy(CausalLMStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.host_state_dict is not None
+        self.apply_delayed_updates()
         return self.host_state_dict.model_state()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         assert self.host_state_dict is not None and self.adam is not None
+        self.apply_delayed_updates()
         return self.host_state_dict.optimizer_state(self.adam)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -437,6 +474,9 @@ class SlideFSDPStrategy(CausalLMStrategy):
         if fitting:
             state["optimizer_0"] = self.host_state_dict.optimizer_state(self.adam)
         dcp.load(state, checkpoint_id=path)
+        if self.engine is not None and self.adam is not None:  # gradients of the weights that were replaced
+            self.engine.gradients.delayed.clear()
+            self.engine.gradients.discard()
         if fitting:
             HostStateDict.restore_groups(self.adam, state["optimizer_0"])
         self.refresh_staging()

@@ -392,3 +392,50 @@ def test_a_root_larger_than_a_ring_buffer_goes_in_pieces_and_lands_as_if_whole(k
         for a, b in zip(whole.adam.pieces[unit], pieces.adam.pieces[unit]):
             sa, sb = whole.adam.optimizers[unit].state[a], pieces.adam.optimizers[unit].state[b]
             assert all(torch.equal(sa[key], sb[key]) for key in sa)
+
+
+def test_a_delayed_update_applies_each_steps_gradient_and_learning_rate_during_the_next_steps_backward():
+    """``delayed_update`` (DPU): a unit's update of step t runs when its first gradient piece of step t+1 reaches the
+    host, before that piece overwrites the kept buffer, with step t's learning rate; the master then equals the
+    undelayed run's after step t, bit for bit, and what is still waiting at the end is applied by ``run_delayed``."""
+    (undelayed, params), (delayed, _) = _pipeline(128, keep=True), _pipeline(128, keep=True)
+    generator = torch.Generator().manual_seed(3)
+
+    def send(pipeline, gradients):
+        for unit in (1, 0):
+            for part, members in enumerate(pipeline.parts[unit]):
+                pipeline.reduce_and_offload(unit, part, [gradients[unit][i] for i in members.places], update_now=False)
+        pipeline.adam.wait()
+
+    def masters(pipeline):
+        return [master.clone() for master in pipeline.host.master]
+
+    initial, after = masters(delayed), []
+    for step in range(4):
+        gradients = [[torch.randn(p.shape, generator=generator).bfloat16() for p in unit] for unit in params]
+        rate = 1e-2 / (step + 1)
+        send(undelayed, gradients)
+        undelayed.adam.held.param_groups[0]["lr"] = rate
+        for unit in undelayed.kept_units():
+            undelayed.update(unit)
+        after.append(masters(undelayed))
+
+        send(delayed, gradients)  # applies step - 1's update first
+        want = after[step - 1] if step else initial
+        assert all(torch.equal(a, b) for a, b in zip(masters(delayed), want)), f"step {step}"
+        delayed.adam.held.param_groups[0]["lr"] = rate
+        delayed.run_delayed()
+        delayed.adam.freeze_hyperparameters()
+        delayed.delay_kept()
+        assert delayed.delayed == {0, 1} and delayed.kept_units() == []  # nothing of this step is applied yet
+        delayed.adam.held.param_groups[0]["lr"] = 100.0  # the scheduler moves on: the delayed update keeps its rate
+    delayed.run_delayed()
+    assert not delayed.delayed
+    for unit in (0, 1):
+        assert torch.equal(delayed.host.master[unit], undelayed.host.master[unit])
+        assert torch.equal(delayed.host.staging[unit], undelayed.host.staging[unit])
+        for a, b in zip(undelayed.adam.pieces[unit], delayed.adam.pieces[unit]):
+            sa, sb = undelayed.adam.optimizers[unit].state[a], delayed.adam.optimizers[unit].state[b]
+            assert all(torch.equal(sa[key], sb[key]) for key in sa)
+    undelayed.adam.close()
+    delayed.adam.close()

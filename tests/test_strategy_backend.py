@@ -91,3 +91,9 @@ def test_auto_dtype_is_bfloat16_on_a_gpu_with_it_in_hardware(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert resolve_dtype("auto", GPU) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+def test_a_delayed_update_with_gradient_accumulation_is_refused_in_preflight():
+    strategy = on(GPU, SlideFSDPStrategy(delayed_update=True))
+    with pytest.raises(ValueError, match="delayed_update applies .* set delayed_update: false or accumulate_grad_batches: 1"):
+        strategy.preflight(SimpleNamespace(num_nodes=1, num_devices=1, accumulate_grad_batches=2), module=None)
