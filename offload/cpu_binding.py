@@ -147,7 +147,7 @@ def bind_process(cpus: set[int]) -> None:
     os.sched_setaffinity(0, cpus)
     for tid in os.listdir("/proc/self/task"):
         try:
-            if False:
+            if os.sched_getaffinity(int(tid)) == original:
                 os.sched_setaffinity(int(tid), cpus)
         except OSError:  # the thread exited between the listing and the call
             continue

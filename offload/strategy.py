@@ -32,6 +32,7 @@ from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import OnNonFinite
 from lit_fsdp.strategy import CausalLMStrategy, DType
 from offload.cpu_adam import CpuAdam
+from offload.cpu_binding import SYSFS, CpuBinding, bind_process, pci_address, plan_binding
 from offload.engine import FORWARD, SlideEngine
 from offload.gradients import GradientPipeline, gradient_parts
 from offload.host import HostState, SharedStaging, can_pin, check_shared_memory, node_tag
@@ -88,6 +89,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
         reduce_dtype: DType = "auto",
         activation_checkpointing: int = 0,
         cpu_threads: int | None = None,
+        cpu_binding: Literal["numa", "none"] = "numa",
+        control_cores: int = 1,
         optimizer_state_dtype: OptimizerStateDType = "float32",
         delayed_update: bool = False,
         pin_memory: bool = True,
@@ -113,7 +116,12 @@ class SlideFSDPStrategy(CausalLMStrategy):
                 ``param_dtype``: bfloat16 on GPUs halves the device-to-host bytes, and the CPU update reads it as it is.
             activation_checkpointing: Recompute the activations of every k-th block in backward; 0 turns it off.
             cpu_threads: Threads of this rank's CPU work (the AdamW updates); default: the cores this process may run
-                on (affinity, cgroup CPU quota) / processes per node, less one left to the thread that launches kernels.
+                on (affinity, cgroup CPU quota) / processes per node, less one left to the thread that launches kernels
+                (with ``cpu_binding: numa``: the rank's cores less ``control_cores``).
+            cpu_binding: ``numa`` (GPU runs): every thread of a rank runs on its GPU's NUMA node, on physical cores no
+                other local rank uses (the node's cores split among its GPUs; ``offload.cpu_binding``), so the update
+                reads local memory; ``none`` leaves affinity alone.
+            control_cores: Cores of each rank's share left to the threads that launch kernels and run autograd.
             optimizer_state_dtype: AdamW moments on the host; ``bfloat16`` halves them (8 -> 4 B/param; the update
                 still computes in float32, and the moments are rounded to nearest after it).
             delayed_update: Apply each step's CPU updates during the next step's backward (ZeRO-Offload's one-step
@@ -147,6 +155,12 @@ class SlideFSDPStrategy(CausalLMStrategy):
         self.grad_sync = grad_sync
         self.activation_offload = activation_offload
         self.cpu_threads = cpu_threads
+        if cpu_binding not in ("numa", "none"):
+            raise ValueError(f"SlideFSDP cpu_binding={cpu_binding!r}: set it to numa or none")
+        if control_cores < 0:
+            raise ValueError(f"SlideFSDP control_cores={control_cores} must be >= 0")
+        self.cpu_binding = cpu_binding
+        self.control_cores = control_cores
         self.optimizer_state_dtype = optimizer_state_dtype
         self.delayed_update = delayed_update
         self.pin_memory = pin_memory
@@ -263,10 +277,13 @@ class SlideFSDPStrategy(CausalLMStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.cpu_threads is not None:
-            torch.set_num_threads(self.cpu_threads)
-        elif self.root_device.type == "cuda":  # Lightning limits threads on CPU runs only; the AdamW updates need it too
-            torch.set_num_threads(update_threads(self.num_processes))
+        threads = self.cpu_threads
+        if self.root_device.type == "cuda":  # Lightning limits threads on CPU runs only; the AdamW updates need it too
+            default = update_threads(self.num_processes)  # counted before binding: the affinity and quota we were given
+            binding = self.bind_cpus()
+            threads = threads or (min(default, binding.threads) if binding is not None else default)
+        if threads is not None:
+            torch.set_num_threads(threads)
         shape = self.mesh_shape(self.world_size, self.num_nodes)
         if self.root_device.type == "cpu":
             self.cpu_mesh = self.device_mesh
@@ -276,6 +293,17 @@ class SlideFSDPStrategy(CausalLMStrategy):
             )
         # The worker thread's collectives (cpu_reduce) need a group no other thread uses, or orders could mix.
         self.host_group = dist.new_group(backend="gloo") if self.grad_sync == "cpu_reduce" else None
+
+    def bind_cpus(self, sysfs: Path = SYSFS) -> CpuBinding | None:
+        """With ``cpu_binding: numa`` on GPUs, bind this process's threads (and those it starts later) to its share of
+        its GPU's NUMA node (``offload.cpu_binding``) before the host buffers are first touched; returns the share."""
+        if self.cpu_binding != "numa" or self.root_device.type != "cuda" or not hasattr(os, "sched_setaffinity"):
+            return None
+        addresses = [pci_address(device.index) for device in self.parallel_devices]
+        binding = plan_binding(self.local_rank, addresses, os.sched_getaffinity(0), self.control_cores, sysfs)
+        bind_process(set(binding.cpus))
+        rank_zero_info(f"SlideFSDP CPU binding of local rank {self.local_rank} (the others alike): {binding.describe()}")
+        return binding
 
     # --- model -----------------------------------------------------------------------------------
 

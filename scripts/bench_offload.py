@@ -14,6 +14,7 @@ one line per run appended as it ends; run folders: ``OUT/<model>-<strategy>-<rep
     python scripts/bench_offload.py                                   # CPU, 2 processes, a small GPT-2
     python scripts/bench_offload.py --accelerator gpu --devices 1 --param-dtype bfloat16 \\
         --presets llama-1b llama-8b --seq-len 2048 --batch-size 8 --steps 12
+    python scripts/bench_offload.py --strategies slide_fsdp slide_fsdp_delayed --trainer.gradient_clip_val 1.0
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 STRATEGIES = {
     "slide_fsdp": {"class_path": "offload.SlideFSDPStrategy"},
+    # the one-step delayed update (DPU): with --trainer.gradient_clip_val set, the row to put beside slide_fsdp's
+    "slide_fsdp_delayed": {"class_path": "offload.SlideFSDPStrategy", "init_args": {"delayed_update": True}},
     "fsdp2_cpu_offload": {"class_path": "lit_fsdp.strategy.FSDP2Strategy", "init_args": {"cpu_offload": True}},
     "fsdp2": {"class_path": "lit_fsdp.strategy.FSDP2Strategy"},
 }
@@ -47,7 +50,7 @@ def strategy_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     config = json.loads(json.dumps(STRATEGIES[name]))
     init = config.setdefault("init_args", {})
     init.update(param_dtype=args.param_dtype, activation_checkpointing=args.activation_checkpointing)
-    if name == "slide_fsdp":
+    if name.startswith("slide_fsdp"):
         init.update(window=args.window, activation_offload=args.activation_offload,
                     param_transfer=args.param_transfer, grad_sync=args.grad_sync)
     return config

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -168,7 +169,7 @@ BIND_CHECK = textwrap.dedent(
     bind_process = cpu_binding.bind_process
 
     stop = threading.Event()
-    sleeper = threading.Thread(target=stop.wait)
+    sleeper = threading.Thread(target=stop.wait, daemon=True)  # a failed check must not hang the exit
     sleeper.start()
     target = {min(os.sched_getaffinity(0))}
     bind_process(target)
@@ -187,5 +188,35 @@ BIND_CHECK = textwrap.dedent(
 def test_bind_process_moves_existing_and_later_threads() -> None:
     # A subprocess, so pytest's own threads and this process's affinity are left alone.
     module = Path(cpu_binding.__file__)
-    result = subprocess.run([sys.executable, "-c", BIND_CHECK, str(module)], capture_output=True, text=True)
+    command = [sys.executable, "-c", BIND_CHECK, str(module)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_slide_fsdp_on_gpus_binds_each_rank_to_its_share_and_takes_its_update_threads_from_it(two_nodes, monkeypatch):
+    """``SlideFSDPStrategy.bind_cpus``: local rank 3 of 4 GPUs binds to the second half of node 1 (what is bound is
+    what was planned); ``cpu_binding: none`` and CPU runs leave affinity alone."""
+    import torch
+
+    from offload import strategy as slide
+
+    bound = []
+    monkeypatch.setattr(slide, "pci_address", lambda index: GPUS[index])
+    monkeypatch.setattr(slide, "bind_process", bound.append)
+    monkeypatch.setattr(slide.os, "sched_getaffinity", lambda pid: set(range(128)))
+
+    def on_gpus(**knobs):
+        strategy = slide.SlideFSDPStrategy(**knobs)
+        strategy.parallel_devices = [torch.device("cuda", index) for index in range(4)]
+        strategy.cluster_environment = SimpleNamespace(local_rank=lambda: 3)
+        return strategy
+
+    binding = on_gpus(control_cores=2).bind_cpus(two_nodes)
+    assert binding.node == 1 and binding.threads == 8 - 2
+    assert bound == [set(binding.cpus)] and binding.cpus == parse_cpu_list("24-31,88-95")
+    assert on_gpus(cpu_binding="none").bind_cpus(two_nodes) is None
+    on_cpu = slide.SlideFSDPStrategy()
+    on_cpu.parallel_devices = [torch.device("cpu")]
+    assert on_cpu.bind_cpus(two_nodes) is None and len(bound) == 1
+    with pytest.raises(ValueError, match="cpu_binding='nodes': set it to numa or none"):
+        slide.SlideFSDPStrategy(cpu_binding="nodes")
