@@ -30,9 +30,13 @@ from compress.layout import UnitLayout
 
 # The held optimizer's hyperparameters that the CPU optimizers follow.
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
-#: Elements per chunk of the bfloat16-moments update: its float32 copies (3 x 1 MiB) stay in L3, and each of its five
-#: ops (a few microseconds of dispatch each) has enough work.
-CHUNK = 262_144
+#: Elements per chunk of the update: its float32 copies (3 x 4 MiB) stay in L3, and each chunk's calls (tens of
+#: microseconds of dispatch for the fused kernel's Python wrapper and the copies) have enough work to hide it. On one
+#: core (``python scripts/bench_cpu_update.py --numel 16000000 --threads 1 --chunks 65536 262144 1048576 4194304``)
+#: 64K, 256K, 1M and 4M elements gave 1.24, 0.87, 0.81 and 0.79 ns/param with a float32 gradient, and 1.50, 0.97,
+#: 0.90 and 0.97 with a bfloat16 one (two passes over whole tensors: 0.79); on two threads 1M gave 0.66 for both
+#: (two passes 0.64, 256K 0.77 and 0.75).
+CHUNK = 1_048_576
 
 
 def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: dict,
@@ -84,7 +88,8 @@ class CpuAdam:
     """CPU AdamW per unit over master-shard views, run in order on one worker thread (fused kernel, chunk by chunk)."""
 
     def __init__(self, layouts: list[UnitLayout], master: list[torch.Tensor], held: torch.optim.Optimizer,
-                 device: torch.device = torch.device("cpu"), state_dtype: torch.dtype = torch.float32):
+                 device: torch.device = torch.device("cpu"), state_dtype: torch.dtype = torch.float32,
+                 chunk: int | None = None):
         if not isinstance(held, torch.optim.AdamW):
             raise TypeError(
                 f"SlideFSDP updates parameters with AdamW on the CPU; configure_optimizers returned "
@@ -97,7 +102,7 @@ class CpuAdam:
         self.held, self.state_dtype = held, state_dtype
         self.frozen: list[dict] | None = None  # the hyperparameters per held group (``freeze_hyperparameters``)
         # the chunked update's float32 copies, used by the worker thread only (one update at a time)
-        self._scratch = torch.empty(3, CHUNK)
+        self._scratch = torch.empty(3, chunk or CHUNK)
         group_of = {id(p): index for index, group in enumerate(held.param_groups) for p in group["params"]}
         self.pieces: list[list[nn.Parameter]] = []
         self.offsets: list[list[int]] = []

@@ -43,15 +43,17 @@ def bytes_per_param(state_dtype: torch.dtype, gradient_dtype: torch.dtype, one_p
 
 
 def time_update(numel: int, state_dtype: torch.dtype, gradient_dtype: torch.dtype, one_pass: bool,
-                repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` updates of one ``numel``-parameter unit, after one warm-up update."""
+                repeats: int, chunk: int = CHUNK) -> list[float]:
+    """Seconds of each of ``repeats`` updates of one ``numel``-parameter unit (one pass: ``chunk`` elements at a
+    time), after one warm-up update."""
     held_param = torch.nn.Parameter(torch.empty(numel, device="meta"))  # the held optimizer's: no values
     layout = UnitLayout.build("unit", [(("weight",), held_param)], shards=1, shard_rank=0)
     master = torch.randn(numel)
     gradient = (torch.randn(numel) * 1e-3).to(gradient_dtype)
     staging = torch.empty(numel, dtype=STAGING)
     if one_pass:
-        adam = CpuAdam([layout], [master], torch.optim.AdamW([held_param], weight_decay=0.1), state_dtype=state_dtype)
+        adam = CpuAdam([layout], [master], torch.optim.AdamW([held_param], weight_decay=0.1), state_dtype=state_dtype,
+                       chunk=chunk)
 
         def update() -> None:
             adam.update(0, layout.local_views(gradient), layout.local_views(staging))
@@ -80,28 +82,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=64 * 2**20, help="parameters in the unit (one rank's rows)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1], help="torch CPU thread counts to run, in turn")
     parser.add_argument("--repeats", type=int, default=5, help="timed updates per row (median reported)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[CHUNK], help="elements per chunk of the one-pass rows")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_cpu_update/results.jsonl"))
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    print(f"{args.numel:,} parameters; median of {args.repeats} updates; chunk {CHUNK:,} elements; "
+    print(f"{args.numel:,} parameters; median of {args.repeats} updates; "
           f"1-minute load average {load:.2f} on {os.cpu_count()} CPUs\n")
-    print("| row | threads | ns/param | B/param read+written | GB/s |")
-    print("|---|---|---|---|---|")
+    print("| row | chunk | threads | ns/param | B/param read+written | GB/s |")
+    print("|---|---|---|---|---|---|")
+    cases = [(row, chunk) for row in ROWS for chunk in (args.chunks if row[3] else [None])]
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for name, state_dtype, gradient_dtype, one_pass in ROWS:
-            times = time_update(args.numel, state_dtype, gradient_dtype, one_pass, args.repeats)
+        for (name, state_dtype, gradient_dtype, one_pass), chunk in cases:
+            times = time_update(args.numel, state_dtype, gradient_dtype, one_pass, args.repeats, chunk or CHUNK)
             seconds, nbytes = statistics.median(times), bytes_per_param(state_dtype, gradient_dtype, one_pass)
             record = {
                 "row": name, "optimizer_state_dtype": str(state_dtype).removeprefix("torch."),
                 "gradient_dtype": str(gradient_dtype).removeprefix("torch."), "one_pass": one_pass, "numel": args.numel,
                 "threads": threads,
-                "repeats": args.repeats, "chunk": CHUNK, "median_s": seconds, "min_s": min(times), "max_s": max(times),
+                "repeats": args.repeats, "chunk": chunk, "median_s": seconds, "min_s": min(times), "max_s": max(times),
                 "ns_per_param": seconds / args.numel * 1e9, "bytes_per_param": nbytes,
                 "gbps": nbytes * args.numel / seconds / 1e9, "load_average_1min": load, "torch": torch.__version__,
             }
-            print(f"| {name} | {threads} | {record['ns_per_param']:.2f} | {nbytes} | {record['gbps']:.1f} |", flush=True)
+            print(f"| {name} | {chunk or 'whole'} | {threads} | {record['ns_per_param']:.2f} | {nbytes} | {record['gbps']:.1f} |", flush=True)
             with args.out.open("a") as out:
                 out.write(json.dumps(record) + "\n")
     return 0
