@@ -192,20 +192,22 @@ def test_bfloat16_moments_train_on_two_processes(tmp_path):
     assert losses[-1] < losses[0] - 0.1, losses
 
 
-def test_a_delayed_update_overlaps_the_backward_with_clipping_and_resumes_on_two_processes_as_on_one(tmp_path, monkeypatch):
+def test_a_delayed_update_overlaps_the_backward_with_clipping_and_resumes_on_three_processes_as_on_one(tmp_path,
+                                                                                                   monkeypatch):
     """``delayed_update`` (DPU) with clipping: each update runs during the next step's backward (hidden share > 0,
-    where undelayed clipping hides none); two processes sharing a staging copy, copies asynchronous, take the same
-    steps as one process, across a checkpoint at step 4 (which applies the waiting update) and a resume from it."""
+    where undelayed clipping hides none). Three processes writing their uneven rows into one shared staging copy,
+    copies asynchronous, take the same steps as one process, across a checkpoint at step 4 (which applies the
+    waiting update) and a resume from it."""
     monkeypatch.setenv(EMULATED_DELAY_VARIABLE, "3")
-    settings = [*common(2, 1, clip=True), *SLIDE, *knobs(delayed_update=True, param_transfer="full", window=1)]
+    settings = [*common(3, 1, clip=True), *SLIDE, *knobs(delayed_update=True, param_transfer="full", window=1)]
     stats = {"class_path": "callbacks.OffloadStats"}
-    one = fit(tmp_path / "one", *settings, devices=1, batch_size=GLOBAL_BATCH, steps=STEPS,
+    one = fit(tmp_path / "one", *settings, devices=1, batch_size=6, steps=STEPS,
               callbacks=[stats, checkpoint_every(4, tmp_path / "one.ckpt")])
-    part, ckpts = tmp_path / "two", tmp_path / "two.ckpt"
-    first = fit(part, *settings, batch_size=GLOBAL_BATCH // 2, steps=STEPS,
+    part, ckpts = tmp_path / "three", tmp_path / "three.ckpt"
+    first = fit(part, *settings, devices=3, batch_size=2, steps=STEPS,
                 callbacks=[stats, checkpoint_every(4, ckpts),
                            {"class_path": "tests.probes.StopAtStep", "init_args": {"step": 4}}])
-    second = fit(part, *settings, "--ckpt_path", "last", batch_size=GLOBAL_BATCH // 2, steps=STEPS,
+    second = fit(part, *settings, "--ckpt_path", "last", devices=3, batch_size=2, steps=STEPS,
                  callbacks=[stats, checkpoint_every(4, ckpts)])
     for key in ("train/loss", "train/grad_norm"):
         assert first[key] + second[key] == pytest.approx(one[key], rel=1e-5), key
