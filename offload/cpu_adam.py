@@ -105,7 +105,8 @@ class CpuAdam:
         self._scratch = torch.empty(3, chunk or CHUNK)
         group_of = {id(p): index for index, group in enumerate(held.param_groups) for p in group["params"]}
         self.pieces: list[list[nn.Parameter]] = []
-        self.offsets: list[list[int]] = []
+        self.layouts = layouts
+        self.piece_groups: list[list[dict]] = []  # per unit, the group of each piece (groups are fixed once built)
         self.optimizers: list[torch.optim.AdamW] = []
         for layout, shard in zip(layouts, master):
             pieces = [nn.Parameter(view) for view in layout.local_views(shard)]
@@ -121,7 +122,8 @@ class CpuAdam:
             for piece in pieces:
                 optimizer.state[piece] = self._fresh_state(piece, optimizer)
             self.pieces.append(pieces)
-            self.offsets.append([place.shard_offset for place in layout.places])  # where each piece starts in the shard
+            group_of_piece = {piece: group for group in optimizer.param_groups for piece in group["params"]}
+            self.piece_groups.append([group_of_piece[piece] for piece in pieces])
             self.optimizers.append(optimizer)
         # On a GPU the worker waits on CUDA events: it must use this rank's device, not create a context on GPU 0.
         cuda = device.type == "cuda"
@@ -131,16 +133,16 @@ class CpuAdam:
         self.update_intervals: list[tuple[float, float]] = []  # (start, end) perf_counter of each update
 
     def _hyperparameters(self, index: int) -> dict:
-        if self.frozen is not None:
-            return self.frozen[index]
+        return self.frozen[index] if self.frozen is not None else self._held_hyperparameters(index)
+
+    def _held_hyperparameters(self, index: int) -> dict:
         group = self.held.param_groups[index]
         return {key: group[key] for key in _HYPERPARAMETERS if key in group}
 
     def freeze_hyperparameters(self) -> None:
         """Updates from now on take the held optimizer's hyperparameters as they are now, not as they are when the
         update runs: a delayed update applies a step with its own learning rate after the scheduler has moved on."""
-        self.frozen = None
-        self.frozen = [self._hyperparameters(index) for index in range(len(self.held.param_groups))]
+        self.frozen = [self._held_hyperparameters(index) for index in range(len(self.held.param_groups))]
 
     def _fresh_state(self, piece: torch.Tensor, optimizer: torch.optim.AdamW) -> dict[str, torch.Tensor]:
         """AdamW's state of ``piece`` (its keys and shapes), the moments in ``state_dtype``."""
@@ -173,7 +175,7 @@ class CpuAdam:
         last elements, so the ranges of one step may come in any number of calls, in order."""
         spans = []
         for index, piece in enumerate(self.pieces[unit]):
-            begins = self.offsets[unit][index]
+            begins = self.layouts[unit].places[index].shard_offset
             first, last = max(start, begins), min(stop, begins + piece.numel())
             if first < last:
                 spans.append((index, (first - begins, last - begins), gradient[first - start : last - start]))
@@ -185,11 +187,10 @@ class CpuAdam:
         optimizer, pieces = self.optimizers[unit], self.pieces[unit]
         for group in optimizer.param_groups:
             group.update(self._hyperparameters(group["held_group"]))
-        group_of = {piece: group for group in optimizer.param_groups for piece in group["params"]}
         with torch.no_grad():
             for index, span, gradient in spans:
                 piece = pieces[index]
-                adamw_step_in_chunks(piece, gradient, optimizer.state[piece], group_of[piece], self._scratch,
+                adamw_step_in_chunks(piece, gradient, optimizer.state[piece], self.piece_groups[unit][index], self._scratch,
                                      staging[index], span)
         self.update_intervals.append((began, time.perf_counter()))
 
