@@ -1,11 +1,12 @@
-"""Lightning callbacks that measure a run: throughput, memory, communication, compression and offload statistics, quality, and a results record."""
+"""Lightning callbacks that measure a run: throughput, memory, communication, compression and offload statistics, host syncs, quality, and a results record."""
 
 from callbacks.comm_profiler import CommProfiler
 from callbacks.compression import CompressionStats
+from callbacks.host_syncs import HostSyncs
 from callbacks.memory import Memory
 from callbacks.offload import OffloadStats
 from callbacks.quality import Quality
 from callbacks.results import Results
 from callbacks.throughput import Throughput
 
-__all__ = ["CommProfiler", "CompressionStats", "Memory", "OffloadStats", "Quality", "Results", "Throughput"]
+__all__ = ["CommProfiler", "CompressionStats", "HostSyncs", "Memory", "OffloadStats", "Quality", "Results", "Throughput"]

@@ -1,0 +1,639 @@
+"""GPU first light (issue 26): one command that turns a short window on one GPU into measured figures.
+
+    python scripts/gpu_check.py --out gpu_out                     # every step, within --budget seconds
+    python scripts/gpu_check.py --out gpu_out --steps slide_fsdp  # continue where a window stopped
+    python scripts/gpu_check.py --device cpu --out /tmp/check     # tiny sizes, every step's code path (CI)
+
+Each step runs in its own process group under its own deadline (the smaller of the step's and what is left of
+the budget): a step that runs out of time is reported as ``timeout`` with what it recorded so far, and the
+next one runs. Written under ``--out``, few files so a device window can bring them back: ``summary.json``
+(every step's record), ``check.log`` (every step's output), ``hardware.json`` (the probe's measured rates in
+the ``--tune.hardware`` format, for ``estimate``), and a short table printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.metadata
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+_PACKAGES = ("torch", "lightning", "transformers", "huggingface_hub", "tokenizers", "safetensors", "torchmetrics",
+             "jsonargparse", "docstring_parser", "typeshed_client", "ijson", "wandb", "numpy", "triton", "pytest")
+
+
+# --- records ---------------------------------------------------------------------------------------
+
+
+class Record(dict):
+    """A step's record, written to ``<work>/<step>.json`` after every update so a killed step still reports."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def put(self, **values: Any) -> None:
+        self.update(values)
+        self.path.write_text(json.dumps(self, indent=1, default=str))
+
+
+def _median_ms(run: Callable[[], None], repeats: int, device: str) -> float:
+    """Median wall time of ``run`` in ms: CUDA events on a GPU, a synchronised host clock otherwise."""
+    import torch
+
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+# --- step 0: probe ---------------------------------------------------------------------------------
+
+
+def _versions() -> dict[str, str | None]:
+    found = {}
+    for name in _PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _meminfo() -> dict[str, float]:
+    values = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemTotal", "MemAvailable", "MemFree", "Hugepagesize"):
+            values[f"{key}_gib"] = round(int(rest.split()[0]) * 1024 / GIB, 2)
+    return values
+
+
+def _cpu_view(device: str) -> dict[str, Any]:
+    """Cores as SlideFSDP's CPU binding sees them, and the update threads it would use (``offload.cpu_binding``)."""
+    from offload.cpu_binding import numa_node_of, pci_address, physical_cores, plan_binding
+
+    allowed = os.sched_getaffinity(0)
+    quota = None
+    try:
+        limit, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        quota = None if limit == "max" else int(limit) / int(period)
+    except (OSError, ValueError):
+        pass
+    view: dict[str, Any] = {"cpu_count": os.cpu_count(), "allowed": len(allowed), "cgroup_quota": quota,
+                            "physical_cores": len(physical_cores(set(allowed)))}
+    nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    view["numa_nodes"] = len(nodes)
+    if device == "cuda":
+        pci = pci_address(0)
+        binding = plan_binding(0, [pci], set(allowed), control_cores=1)
+        view.update(gpu_pci=pci, gpu_numa_node=numa_node_of(pci), update_threads=binding.threads,
+                    binding=binding.describe())
+    return view
+
+
+def _registration(record: Record) -> None:
+    """Register 8 GiB in place, then the same memory again (the failure path): the error is cleared, CUDA still works."""
+    import torch
+
+    from offload.host import register_host_memory
+
+    size = 8 * GIB
+    host = torch.empty(size, dtype=torch.uint8)
+    host.fill_(1)  # touch every page first, as SlideFSDP's buffers are before they are registered
+    begin = time.perf_counter()
+    first = register_host_memory(host, size)
+    seconds = time.perf_counter() - begin
+    try:
+        second = register_host_memory(host, size)  # already registered: must fail, be cleared and warn
+    except RuntimeError as error:  # no way to clear the error on this torch: the fix is named
+        second, record["register_again_error"] = True, str(error)
+    probe = torch.ones(1024, device="cuda") * 2
+    torch.cuda.synchronize()
+    still_works = bool(probe.sum().item() == 2048)
+    if first:
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+    record.put(register_gib=8, register_ok=first, register_s=round(seconds, 3), register_again_refused=not second,
+               cuda_works_after_failed_register=still_works)
+
+
+def _bandwidths(record: Record, device: str) -> dict[str, float]:
+    import torch
+
+    from offload.host import register_host_memory
+
+    rates: dict[str, float] = {}
+    size = (2 * GIB) if device == "cuda" else (64 << 20)
+    if device == "cuda":
+        gpu = torch.empty(size, dtype=torch.uint8, device="cuda")
+        pageable = torch.empty(size, dtype=torch.uint8).fill_(3)
+        registered = torch.empty(size, dtype=torch.uint8).fill_(5)
+        pinned = register_host_memory(registered, size)
+        for name, host in (("registered", registered), ("pageable", pageable)):
+            rates[f"h2d_{name}_gbps"] = size / _median_ms(lambda: gpu.copy_(host, non_blocking=True), 5, device) / 1e6
+            rates[f"d2h_{name}_gbps"] = size / _median_ms(lambda: host.copy_(gpu, non_blocking=True), 5, device) / 1e6
+        if pinned:
+            torch.cuda.cudart().cudaHostUnregister(registered.data_ptr())
+        other = torch.empty_like(gpu)
+        rates["device_copy_tbps"] = 2 * size / _median_ms(lambda: other.copy_(gpu), 10, device) / 1e9
+        del gpu, other, pageable, registered
+        n = 8192
+        a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        rates["gemm_bf16_tflops"] = 2 * n**3 / _median_ms(lambda: a @ b, 10, device) / 1e9
+        a32, b32 = a.float(), b.float()
+        rates["gemm_fp32_tflops"] = 2 * n**3 / _median_ms(lambda: a32 @ b32, 5, device) / 1e9
+        del a, b, a32, b32
+        torch.cuda.empty_cache()
+    host_size = (4 * GIB) if device == "cuda" else (256 << 20)
+    source = torch.empty(host_size // 4, dtype=torch.float32).fill_(1.5)
+    target = torch.empty_like(source)
+    rates["host_copy_gbps"] = 2 * host_size / _median_ms(lambda: target.copy_(source), 5, "cpu") / 1e6
+    if device == "cpu":
+        n = 1024
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        rates["gemm_fp32_tflops"] = 2 * n**3 / _median_ms(lambda: a @ b, 5, device) / 1e9
+    rates = {key: round(value, 3) for key, value in rates.items()}
+    record.put(**rates)
+    return rates
+
+
+def step_probe(record: Record, device: str, work: Path) -> None:
+    """Versions, the device, host memory, cores; a large registration and its failure path; measured rates."""
+    import torch
+
+    record.put(python=sys.version.split()[0], kernel=os.uname().release, versions=_versions(), torch_cuda=torch.version.cuda,
+               torch_cuda_available=torch.cuda.is_available(), **_meminfo())
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit,"
+             "temperature.gpu", "--format=csv,noheader"], capture_output=True, text=True)
+        record.put(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 2), sms=props.multi_processor_count,
+                   l2_mb=round(getattr(props, "L2_cache_size", 0) / 1e6, 1), nvidia_smi=smi.stdout.strip() or smi.stderr.strip(),
+                   cudnn=torch.backends.cudnn.version(), nccl=".".join(map(str, torch.cuda.nccl.version())))
+    record.put(cpu=_cpu_view(device))
+    if device == "cuda":
+        _registration(record)
+    rates = _bandwidths(record, device)
+    from dataclasses import asdict
+
+    from lit_fsdp.tune.hardware import detect
+
+    hardware = asdict(detect())
+    if device == "cuda":
+        hardware["pcie_gbps"] = round(min(rates["h2d_registered_gbps"], rates["d2h_registered_gbps"]), 1)
+        hardware["peak_tflops"] = {**hardware["peak_tflops"], "bf16": round(rates["gemm_bf16_tflops"], 1)}
+    hardware["host_memory_gbps"] = round(rates["host_copy_gbps"], 1)
+    (work / "hardware.json").write_text(json.dumps(hardware, indent=2) + "\n")
+    record.put(hardware=hardware)
+
+
+# --- step 1: the tests that skip without CUDA --------------------------------------------------------
+
+
+def _environment() -> dict[str, str]:
+    """The children's environment: the checkout importable (scripts run as files; the project need not be installed)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def _command(name: str, command: list[str], work: Path, record: Record) -> list[str]:
+    """Run ``command`` in the checkout, its output streamed to a file (a command that hangs still shows where) and
+    then printed; the record gets its exit status and last line. Returns its output lines."""
+    print("$", " ".join(command), flush=True)
+    output = work / f"{name}.txt"
+    with open(output, "w") as sink:
+        done = subprocess.run(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=_environment())
+    lines = [line for line in output.read_text().splitlines() if line.strip()]
+    print("\n".join(lines[-200:]), flush=True)
+    record.put(rc=done.returncode, result=lines[-1] if lines else "")
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: {Path(command[1]).name if command[1] != '-m' else command[2]} exited {done.returncode}")
+    return lines
+
+
+CUDA_TESTS = ["tests/test_quantizers.py", "tests/test_sparsifiers.py", "tests/test_generate_and_evaluate.py"]
+
+
+def step_cuda_tests(record: Record, device: str, work: Path) -> None:
+    """The tests that skip without CUDA: codec round trips on the device, generate/evaluate CPU against GPU."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-k", "cuda", *CUDA_TESTS]
+    try:
+        _command("cuda_tests", command + (["-n", "4"] if device == "cuda" else []), work, record)
+    finally:
+        lines = (work / "cuda_tests.txt").read_text().splitlines()
+        record.put(failed=[line for line in lines if line.startswith(("FAILED", "ERROR"))][:30])
+
+
+# --- steps 2-4: training runs through the CLI ----------------------------------------------------------
+
+
+def _yaml(path: Path, data: dict[str, Any]) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _losses(folder: Path) -> dict[int, float]:
+    """Per-step training losses from the CSV logger's file (flushed every step)."""
+    losses: dict[int, float] = {}
+    for metrics in sorted((folder / "csv").glob("*/metrics.csv")):
+        try:
+            rows = list(csv.DictReader(metrics.open()))
+        except (OSError, csv.Error):
+            continue
+        losses.update({int(row["step"]): float(row["train/loss"]) for row in rows if row.get("train/loss")})
+    return losses
+
+
+def _fit(name: str, work: Path, configs: list[str], record: Record, steps: int, min_free_gib: float = 4.0,
+         checkpoints: bool = False, ckpt_path: str | None = None, folder: Path | None = None) -> dict[str, Any]:
+    """One ``python -m lit_fsdp fit`` run in ``folder`` (default: work/name): CSV logger (W&B may be missing), no
+    validation, no checkpoints unless asked (a config then names its ModelCheckpoint), a loss per step. While it runs, its progress (set-up time, steps done, steps/s) goes into the record every few seconds, so
+    a step cut by its deadline still says how far it got; a watchdog ends it before the host runs out of memory
+    (MemAvailable under ``min_free_gib``). Returns its results.jsonl record and its per-step losses."""
+    folder = folder or work / name
+    trainer = {
+        "max_steps": steps, "limit_val_batches": 0, "enable_checkpointing": checkpoints, "enable_progress_bar": False,
+        "log_every_n_steps": 1, "default_root_dir": str(folder),
+        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                   "init_args": {"save_dir": str(folder), "name": "csv", "flush_logs_every_n_steps": 1}},
+    }
+    override = _yaml(work / f"{name}.yaml", {"trainer": trainer})
+    command = [sys.executable, "-m", "lit_fsdp", "fit", *[a for c in configs for a in ("--config", c)], "--config", str(override)]
+    command += ["--ckpt_path", ckpt_path] if ckpt_path else []
+    print("$", " ".join(command), flush=True)
+    begin = time.perf_counter()
+    child = subprocess.Popen(command, cwd=ROOT, stdout=sys.stdout, stderr=subprocess.STDOUT, start_new_session=True,
+                             env=_environment())
+    run: dict[str, Any] = {"rc": None, "losses": []}
+    first_step_at = None
+    while child.poll() is None:
+        time.sleep(2)
+        losses = _losses(folder)
+        now = time.perf_counter() - begin
+        if losses and first_step_at is None:
+            first_step_at = now
+        run.update(wall_s=round(now, 1), steps_done=len(losses), first_step_s=first_step_at and round(first_step_at, 1),
+                   min_mem_available_gib=min(run.get("min_mem_available_gib", 1e9), _meminfo()["MemAvailable_gib"]))
+        if first_step_at is not None and len(losses) > 1:
+            run["steps_per_s"] = round((len(losses) - 1) / max(now - first_step_at, 1e-9), 3)
+        record.put(**{name: run})
+        if run["min_mem_available_gib"] < min_free_gib:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            run["stopped"] = f"watchdog: MemAvailable {run['min_mem_available_gib']} GiB < {min_free_gib}"
+            break
+    results = folder / "results.jsonl"
+    losses = _losses(folder)
+    run.update(rc=child.returncode, wall_s=round(time.perf_counter() - begin, 1), steps_done=len(losses),
+               result=json.loads(results.read_text().splitlines()[-1]) if results.is_file() else {},
+               losses=[losses[k] for k in sorted(losses)])
+    record.put(**{name: run})
+    if child.returncode != 0:
+        raise RuntimeError(f"{name}: fit exited {child.returncode}" + (f" ({run['stopped']})" if "stopped" in run else ""))
+    return run
+
+
+MEASURING_CALLBACKS = [{"class_path": f"callbacks.{name}"} for name in ("Throughput", "Memory", "Results")]
+
+
+def _offload_strategy(device: str, dtype: str, **knobs: Any) -> dict[str, Any]:
+    init = {"window": 2, "param_transfer": "full", "grad_sync": "gpu_reduce", "param_dtype": dtype, "reduce_dtype": "auto",
+            "activation_checkpointing": 1, "activation_offload": "cpu", **knobs}
+    if device == "cuda":
+        # The VM's memory is granted as it is used: MemAvailable starts far below the 128 GiB it gets.
+        init["host_memory_gb"] = 120.0
+    return {"class_path": "offload.SlideFSDPStrategy", "init_args": init}
+
+
+def _shape(device: str, preset: str, layers: int, seq_len: int, batch: int) -> dict[str, Any]:
+    if device == "cuda":
+        return {"model": {"preset": preset, "config_overrides": {"num_hidden_layers": layers}},
+                "data": {"init_args": {"vocab_size": 128256, "seq_len": seq_len, "batch_size": batch}}}
+    return {"model": {"preset": "llama-tiny", "config_overrides": {"num_hidden_layers": min(layers, 4)}},
+            "data": {"init_args": {"vocab_size": 512, "seq_len": 64, "batch_size": 2}}}
+
+
+def _accelerator(device: str) -> dict[str, Any]:
+    return {"accelerator": "gpu" if device == "cuda" else "cpu", "devices": 1}
+
+
+def step_slide_fsdp(record: Record, device: str, work: Path) -> None:
+    """SlideFSDP as configs/llama_8b_offload.yaml with 8 of its 32 blocks (about 2.8B), 10 steps."""
+    overrides = _shape(device, "llama-8b", 8, 2048, 8)
+    overrides["trainer"] = {**_accelerator(device), "gradient_clip_val": None,
+                            "strategy": _offload_strategy(device, "bfloat16" if device == "cuda" else "float32")}
+    override = _yaml(work / "slide_fsdp_shape.yaml", overrides)
+    run = _fit("slide_fsdp", work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(override)], record,
+               10 if device == "cuda" else 3)
+    record.put(summary=_figures(run["result"]))
+
+
+def _figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures of a results.jsonl record that the table shows."""
+    keys = ("tokens_per_s", "mfu", "step_time_ms", "peak_allocated_gb", "peak_reserved_gb", "train_loss")
+    return {key: value for key, value in result.items()
+            if key in keys or key.startswith(("offload_", "host_", "memory_", "perf_", "mfu", "tokens"))}
+
+
+def step_parity(record: Record, device: str, work: Path) -> None:
+    """float32: FSDP2 against SlideFSDP (window 2, checkpointed and offloaded activations, overlapped update),
+    4 Llama-1B-shaped blocks, 15 steps: relative loss difference < 1e-5 at step 1 and < 1e-3 throughout."""
+    steps = 15 if device == "cuda" else 4
+    shape = _shape(device, "llama-1b", 4, 2048, 2)
+    runs = {}
+    for name, strategy in (
+        ("parity_fsdp2", {"class_path": "lit_fsdp.strategy.FSDP2Strategy",
+                          "init_args": {"sharding": "FULL_SHARD", "param_dtype": "float32", "reduce_dtype": "float32",
+                                        "activation_checkpointing": 1}}),
+        ("parity_slide_fsdp", _offload_strategy(device, "float32")),
+    ):
+        overrides = {**shape, "trainer": {**_accelerator(device), "gradient_clip_val": None, "strategy": strategy,
+                                          "callbacks": [{"class_path": "callbacks.Results"}]}}
+        config = _yaml(work / f"{name}_shape.yaml", overrides)
+        runs[name] = _fit(name, work, ["configs/quickstart.yaml", str(config)], record, steps)["losses"]
+    a, b = runs["parity_fsdp2"], runs["parity_slide_fsdp"]
+    if len(a) != steps or len(b) != steps:
+        raise RuntimeError(f"parity: {len(a)} and {len(b)} losses logged, {steps} expected")
+    relative = [abs(x - y) / abs(x) for x, y in zip(a, b)]
+    record.put(relative_first=relative[0], relative_max=max(relative), passed=relative[0] < 1e-5 and max(relative) < 1e-3)
+    if not record["passed"]:
+        raise RuntimeError(f"parity: relative loss difference {relative[0]:.2e} at step 1, {max(relative):.2e} at most")
+
+
+def step_fsdp2_1b(record: Record, device: str, work: Path) -> None:
+    """FSDP2, Llama-3.2-1B shape (128k vocabulary), bf16, 4 x 2048 tokens, 30 steps: MFU and device peak."""
+    overrides = _shape(device, "llama-1b", 16, 2048, 4)
+    overrides["trainer"] = {**_accelerator(device), "callbacks": MEASURING_CALLBACKS}
+    if device == "cpu":
+        overrides["trainer"]["strategy"] = {"class_path": "lit_fsdp.strategy.FSDP2Strategy",
+                                            "init_args": {"param_dtype": "float32"}}
+    config = _yaml(work / "fsdp2_1b_shape.yaml", overrides)
+    run = _fit("fsdp2_1b", work, ["configs/quickstart.yaml", "configs/llama_1b.yaml", str(config)], record,
+               30 if device == "cuda" else 3)
+    record.put(summary=_figures(run["result"]))
+
+
+def step_fsdp2_1b_no_ac(record: Record, device: str, work: Path) -> None:
+    """fsdp2_1b without activation checkpointing (its activations fit a large GPU): the recompute's cost in MFU."""
+    overrides = _shape(device, "llama-1b", 16, 2048, 4)
+    strategy = {"class_path": "lit_fsdp.strategy.FSDP2Strategy",
+                "init_args": {"activation_checkpointing": 0, **({} if device == "cuda" else {"param_dtype": "float32"})}}
+    overrides["trainer"] = {**_accelerator(device), "callbacks": MEASURING_CALLBACKS, "strategy": strategy}
+    config = _yaml(work / "fsdp2_1b_no_ac_shape.yaml", overrides)
+    run = _fit("fsdp2_1b_no_ac", work, ["configs/quickstart.yaml", "configs/llama_1b.yaml", str(config)], record,
+               30 if device == "cuda" else 3)
+    record.put(summary=_figures(run["result"]))
+
+
+def step_8b(record: Record, device: str, work: Path) -> None:
+    """The full 8B of configs/llama_8b_offload.yaml with bfloat16 moments, 4 steps; the watchdog ends it before the
+    host runs out of memory, and a run cut by its deadline still reports set-up time, steps done and steps/s."""
+    layers = 32 if device == "cuda" else 2
+    overrides = _shape(device, "llama-8b", layers, 2048, 8)
+    overrides["trainer"] = {**_accelerator(device), "gradient_clip_val": None,
+                            "strategy": _offload_strategy(device, "bfloat16" if device == "cuda" else "float32",
+                                                          optimizer_state_dtype="bfloat16")}
+    config = _yaml(work / "eight_b_shape.yaml", overrides)
+    run = _fit("eight_b", work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(config)], record, 4)
+    record.put(summary=_figures(run["result"]))
+
+
+def step_onebit(record: Record, device: str, work: Path) -> None:
+    """FSDP2 + 1-bit Adam on one device across its freeze, under sync-debug mode (host syncs per step by call site)
+    and the communication profiler on a real trace."""
+    overrides = {
+        "model": {"preset": "llama-1b" if device == "cuda" else "llama-tiny",
+                  "config_overrides": {"num_hidden_layers": 4 if device == "cuda" else 2}},
+        "data": {"init_args": {"vocab_size": 32000 if device == "cuda" else 512, "seq_len": 2048 if device == "cuda" else 64,
+                               "batch_size": 2}},
+        "trainer": {**_accelerator(device), "gradient_clip_val": None,
+                    "strategy": {"class_path": "lit_fsdp.strategy.FSDP2Strategy",
+                                 "init_args": {"compression": {"method": "onebit_adam", "freeze_step": 4, "chunk_size": 128,
+                                                               "bound": 1.0}}},
+                    "callbacks": [{"class_path": "callbacks.HostSyncs", "init_args": {"warmup_steps": 2, "steps": 8}},
+                                  {"class_path": "callbacks.CommProfiler", "init_args": {"wait": 5, "warmup": 1, "active": 3}},
+                                  *MEASURING_CALLBACKS]},
+    }
+    config = _yaml(work / "onebit_shape.yaml", overrides)
+    run = _fit("onebit", work, ["configs/quickstart.yaml", str(config)], record, 12)
+    result = run["result"]
+    record.put(summary={k: v for k, v in result.items() if k.startswith(("host_syncs", "comm_", "tokens_per_s", "mfu"))})
+
+
+def step_codecs(record: Record, device: str, work: Path) -> None:
+    """scripts/bench_codecs.py on the device, 64M values: GB/s per codec (compare with the probe's device copy)."""
+    numel = 64 * 2**20 if device == "cuda" else 2**20
+    lines = _command("codecs", [sys.executable, "scripts/bench_codecs.py", "--device", device, "--numel", str(numel),
+                                "--repeats", "5"], work, record)
+    record.put(table=[line for line in lines if line.startswith("|")])
+
+
+# --- the second list: for the windows after the first ---------------------------------------------------
+
+
+def step_eight_b_fp32(record: Record, device: str, work: Path) -> None:
+    """The 8B as shipped: float32 moments (112.5 GiB of host memory by the preflight's count), 4 steps."""
+    overrides = _shape(device, "llama-8b", 32 if device == "cuda" else 2, 2048, 8)
+    overrides["trainer"] = {**_accelerator(device), "gradient_clip_val": None,
+                            "strategy": _offload_strategy(device, "bfloat16" if device == "cuda" else "float32")}
+    config = _yaml(work / "eight_b_fp32_shape.yaml", overrides)
+    run = _fit("eight_b_fp32", work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(config)], record, 4)
+    record.put(summary=_figures(run["result"]))
+
+
+def step_fsdp2_1b_fast(record: Record, device: str, work: Path) -> None:
+    """fsdp2_1b as fast as the first window found it: 8 x 2048 tokens, compiled blocks, the plain loss, no
+    activation checkpointing (46% MFU on an H200, 57 GiB peak)."""
+    overrides = _shape(device, "llama-1b", 16, 2048, 8)
+    overrides["model"]["loss_chunk_tokens"] = 0
+    init = {"activation_checkpointing": 0, "compile_blocks": device == "cuda",
+            **({} if device == "cuda" else {"param_dtype": "float32"})}
+    overrides["trainer"] = {**_accelerator(device), "callbacks": MEASURING_CALLBACKS,
+                            "strategy": {"class_path": "lit_fsdp.strategy.FSDP2Strategy", "init_args": init}}
+    config = _yaml(work / "fsdp2_1b_fast_shape.yaml", overrides)
+    run = _fit("fsdp2_1b_fast", work, ["configs/quickstart.yaml", "configs/llama_1b.yaml", str(config)], record,
+               30 if device == "cuda" else 3)
+    record.put(summary=_figures(run["result"]))
+
+
+def step_bench_offload(record: Record, device: str, work: Path) -> None:
+    """scripts/bench_offload.py: SlideFSDP against torch's CPUOffloadPolicy and plain FSDP2 on one device."""
+    gpu = ["--accelerator", "gpu", "--devices", "1", "--param-dtype", "bfloat16", "--presets", "llama-1b",
+           "--seq-len", "2048", "--batch-size", "8", "--steps", "12"]
+    cpu = ["--devices", "1", "--presets", "gpt2-tiny", "--seq-len", "64", "--batch-size", "2", "--steps", "3", "--warmup", "1",
+           "--strategies", "fsdp2", "slide_fsdp"]
+    _command("bench_offload", [sys.executable, "scripts/bench_offload.py", *(gpu if device == "cuda" else cpu),
+                               "--repeats", "1", "--out", str(work / "bench_offload")], work, record)
+    record.put(table=(work / "bench_offload" / "table.md").read_text().splitlines())
+
+
+def step_resume_export(record: Record, device: str, work: Path) -> None:
+    """Exact resume on the device (stopped at step 4 of 8 and resumed equals the uninterrupted run), then export."""
+    base = ["configs/quickstart.yaml"]
+    shape = _yaml(work / "resume_shape.yaml", {"trainer": {**_accelerator(device), "callbacks": [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"save_last": True, "every_n_train_steps": 4, "save_top_k": -1}}]}})
+    whole = _fit("resume_whole", work, [*base, str(shape)], record, 8, checkpoints=True)["losses"]
+    first = _fit("resume_first", work, [*base, str(shape)], record, 4, checkpoints=True)
+    checkpoint = work / "resume_first" / "checkpoints" / "last.ckpt"
+    rest = _fit("resume_rest", work, [*base, str(shape)], record, 8, checkpoints=True, ckpt_path=str(checkpoint),
+                folder=work / "resume_first")
+    resumed = first["losses"] + rest["losses"][len(first["losses"]):]
+    record.put(whole=whole, resumed=resumed, exact=whole == resumed)
+    _command("export", [sys.executable, "-m", "lit_fsdp", "export", str(checkpoint), str(work / "exported")], work, record)
+    if whole != resumed:
+        raise RuntimeError(f"resume: {resumed} differs from the uninterrupted {whole}")
+
+
+def step_tune(record: Record, device: str, work: Path) -> None:
+    """``tune`` with 4 trials on the device (its memory filter and trial runner on a real GPU)."""
+    configs = ["--config", "configs/quickstart.yaml"] + (["--config", "configs/llama_1b.yaml", "--trainer.devices", "1"]
+                                                         if device == "cuda" else ["--trainer.devices", "1"])
+    trials = "4" if device == "cuda" else "2"
+    lines = _command("tune", [sys.executable, "-m", "lit_fsdp", "tune", *configs, "--tune.trials", trials,
+                              "--tune.out", str(work / "tune")], work, record)
+    record.put(report=lines[-30:])
+
+
+STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
+    "probe": (step_probe, 75),
+    "cuda_tests": (step_cuda_tests, 70),
+    "slide_fsdp": (step_slide_fsdp, 180),
+    "parity": (step_parity, 130),
+    "fsdp2_1b": (step_fsdp2_1b, 110),
+    "eight_b": (step_8b, 230),
+    "onebit": (step_onebit, 70),
+    "codecs": (step_codecs, 45),
+    "fsdp2_1b_no_ac": (step_fsdp2_1b_no_ac, 60),
+    # the second list, for the windows after the first (--steps names them)
+    "eight_b_fp32": (step_eight_b_fp32, 240),
+    "fsdp2_1b_fast": (step_fsdp2_1b_fast, 120),
+    "bench_offload": (step_bench_offload, 240),
+    "resume_export": (step_resume_export, 120),
+    "tune": (step_tune, 300),
+}
+FIRST = ("probe", "cuda_tests", "slide_fsdp", "parity", "fsdp2_1b", "eight_b", "onebit", "codecs", "fsdp2_1b_no_ac")
+REQUIRES = {"eight_b": "slide_fsdp", "eight_b_fp32": "slide_fsdp"}  # run only if that step passed, when it ran too
+
+
+# --- driver --------------------------------------------------------------------------------------------
+
+
+def _run_step(name: str, deadline: float, device: str, work: Path, log: Any) -> dict[str, Any]:
+    """The step in a child process group, killed at ``deadline`` seconds; its record with status and time."""
+    record_path = work / f"{name}.json"
+    record_path.unlink(missing_ok=True)
+    log.write(f"\n===== {name} (deadline {deadline:.0f} s) =====\n")
+    log.flush()
+    begin = time.perf_counter()
+    child = subprocess.Popen([sys.executable, __file__, "--child", name, "--device", device, "--work", str(work)],
+                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        rc = child.wait(timeout=deadline)
+        status = "ok" if rc == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        rc, status = None, "timeout"
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    return {"step": name, "status": status, "rc": rc, "seconds": round(time.perf_counter() - begin, 1), **record}
+
+
+def _child(name: str, device: str, work: Path) -> int:
+    sys.path.insert(0, str(ROOT))
+    record = Record(work / f"{name}.json")
+    try:
+        STEPS[name][0](record, device, work)
+    except Exception as error:  # the record keeps the reason; the driver goes on with the next step
+        record.put(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        raise
+    return 0
+
+
+def _table(records: list[dict[str, Any]]) -> str:
+    lines = [f"{'step':<16}{'status':<9}{'s':>7}  figures"]
+    for r in records:
+        shown = {k: v for k, v in r.items() if k not in ("step", "status", "rc", "seconds", "versions", "hardware", "cpu",
+                                                         "nvidia_smi", "failed") and not isinstance(v, (dict, list))}
+        for run in ("slide_fsdp", "fsdp2_1b"):
+            if isinstance(r.get("summary"), dict):
+                shown.update({k: v for k, v in r["summary"].items() if k in ("tokens_per_s", "mfu") or "hidden" in k})
+        text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+        lines.append(f"{r['step']:<16}{r['status']:<9}{r['seconds']:>7.1f}  {text[:400]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="folder for summary.json, check.log, hardware.json")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda: the real check; cpu: tiny sizes (CI)")
+    parser.add_argument("--steps", default=",".join(FIRST),
+                        help=f"comma-separated, in order (default: the first list); of {', '.join(STEPS)}")
+    parser.add_argument("--budget", type=float, default=510.0, help="seconds for all steps together")
+    parser.add_argument("--work", type=Path, help="folder for the runs' own files (default: <out>/work)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child(args.child, args.device, args.work)
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        parser.error(f"unknown step {unknown[0]!r}; steps are {', '.join(STEPS)}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda but torch sees no CUDA device; use --device cpu for the CPU mode")
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or args.out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    end = time.monotonic() + args.budget
+    records = []
+    with open(args.out / "check.log", "a") as log:
+        for name in steps:
+            left = end - time.monotonic()
+            if left < 5:
+                records.append({"step": name, "status": "no_time", "rc": None, "seconds": 0.0})
+                continue
+            needed = next((r for r in records if r["step"] == REQUIRES.get(name)), None)
+            if needed is not None and needed["status"] != "ok":
+                records.append({"step": name, "status": "skipped", "rc": None, "seconds": 0.0,
+                                "error": f"{needed['step']} did not pass ({needed['status']})"})
+                continue
+            records.append(_run_step(name, min(STEPS[name][1], left), args.device, work, log))
+            (args.out / "summary.json").write_text(json.dumps(records, indent=1, default=str))
+            print(f"{name}: {records[-1]['status']} in {records[-1]['seconds']} s", flush=True)
+    if (work / "hardware.json").is_file():
+        (args.out / "hardware.json").write_text((work / "hardware.json").read_text())
+    (args.out / "summary.json").write_text(json.dumps(records, indent=1, default=str))
+    print(_table(records))
+    return 0 if all(r["status"] == "ok" for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

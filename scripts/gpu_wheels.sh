@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The wheels a GPU machine without a package registry lacks for lit_fsdp and scripts/gpu_check.py (Python 3.12,
+# manylinux x86-64), downloaded here, on a machine that reaches the registry:
+#   scripts/gpu_wheels.sh [FOLDER]            # default .whl (ignored by git: add /.whl/ to .git/info/exclude)
+# There: python3 -m pip install --no-index --no-deps --target /tmp/site FOLDER/*.whl && export PYTHONPATH=/tmp/site
+# The list is what `scripts/gpu_check.py`'s probe found missing on the machine we are lent (its torch 2.11,
+# lightning 2.6, transformers 5.17, torchmetrics and PyYAML are there; wandb is not, and lit_fsdp falls back to
+# the CSV logger without it). Pass PYTHON_VERSION=3.11 or more packages as NAME==VERSION after the folder.
+set -euo pipefail
+folder="${1:-.whl}"
+shift || true
+packages=(jsonargparse docstring-parser typeshed-client ijson "$@")
+mkdir -p "$folder"
+for package in "${packages[@]}"; do
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+    -d "$folder" "$package"
+done
+ls "$folder"
