@@ -25,17 +25,71 @@ from torch import nn
 IGNORE_INDEX = -100  # F.cross_entropy's default: labels with this value add nothing to the loss
 
 
-def loss_bytes(tokens: int, vocab_size: int, hidden_size: int, itemsize: int, chunk_tokens: int) -> int:
-    """Peak device bytes the loss holds beside the model's activations, for ``tokens`` per micro-batch.
+def loss_bytes(tokens: int, vocab_size: int, hidden_size: int, itemsize: int, chunk_tokens: int,
+               bias: bool = False) -> int:
+    """Peak device bytes the loss holds beside its inputs, the model's activations and the gradients it hands back.
 
-    Plain (``chunk_tokens`` 0): the logits in the compute dtype, their float32 copy and its gradient. Chunked:
-    one chunk's float32 logits and softmax, plus the gradients made in forward and kept for backward (the
-    hidden states' in the compute dtype, the head's in float32).
+    Plain (``chunk_tokens`` 0): the logits in the compute dtype, their float32 copy and its gradient. Chunked,
+    for ``C`` = min(tokens, chunk_tokens): one chunk's float32 logits beside their log-softmax (later the softmax),
+    8 x C x V; the gradients made in forward and kept for backward, the hidden states' in the compute dtype and
+    the head's (and its bias's) in float32. Nothing vocabulary x hidden is made per chunk beyond that room.
     """
     if not chunk_tokens:
         return tokens * vocab_size * (itemsize + 8)
     chunk = min(tokens, chunk_tokens)
-    return chunk * vocab_size * 8 + tokens * hidden_size * itemsize + vocab_size * hidden_size * 4
+    kept = tokens * hidden_size * itemsize + vocab_size * (hidden_size + (1 if bias else 0)) * 4
+    return _chunk_room(chunk, vocab_size) + kept
+
+
+def _chunk_room(chunk: int, vocab_size: int) -> int:
+    """Bytes a chunk's float32 logits and their (log-)softmax take at once: the room every other temporary fits in."""
+    return chunk * vocab_size * 8
+
+
+def _row_slices(rows: int, row_bytes: int, room: int) -> Iterator[slice]:
+    """Slices of ``rows`` rows, each small enough that ``row_bytes`` per row fit in ``room`` bytes."""
+    step = max(1, room // row_bytes)
+    return (slice(start, start + step) for start in range(0, rows, step))
+
+
+# Per device type: whether torch.addmm(..., out_dtype=torch.float32, out=acc) adds a bfloat16/float16 product into
+# a float32 buffer in place (CUDA kernels from torch 2.8 on; none on CPU in 2.13). Some builds refuse a float32
+# addend (pytorch/pytorch#154086): the first refusal turns it off for the process, and the product is sliced instead.
+_ADDMM_TO_FLOAT32 = {"cuda": True}
+
+
+def _add_product(acc: torch.Tensor, grad_logits: torch.Tensor, part: torch.Tensor, room: int) -> None:
+    """``acc += grad_logits.T @ part`` in float32 ``acc``, with no vocabulary x hidden temporary beyond ``room`` bytes.
+
+    A fresh product and its float32 copy per chunk were 6 x V x H bytes more (1.6 GB at Llama-1B's shape), uncounted,
+    and 20 bytes of memory traffic per element of ``acc``, where adding in the matmul's epilogue moves 8.
+    """
+    if grad_logits.dtype == acc.dtype:
+        acc.addmm_(grad_logits.t(), part)
+        return
+    if _ADDMM_TO_FLOAT32.get(acc.device.type, False):
+        try:
+            torch.addmm(acc, grad_logits.t(), part, out_dtype=acc.dtype, out=acc)  # checks fail before any write
+            return
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError):  # no kernel, a refused float32 addend, or no out_dtype argument
+            _ADDMM_TO_FLOAT32[acc.device.type] = False
+    # Elsewhere the product is made a slice of the vocabulary at a time, in the room the chunk's float32 logits left.
+    for rows in _row_slices(acc.shape[0], part.shape[1] * (grad_logits.itemsize + 4), room):
+        acc[rows] += grad_logits[:, rows].t().mm(part).float()
+
+
+def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, room: int) -> torch.Tensor:
+    """``(grad * scale).to(dtype)`` rounded once, without a float32 copy of ``grad`` beyond ``room`` bytes.
+
+    On CUDA the multiply casts as it stores, one pass instead of a float32 product and then a cast; on CPU ``out=``
+    of another dtype goes through a float32 temporary, hence the slices.
+    """
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    for rows in _row_slices(grad.shape[0], grad[:1].numel() * 4, room):
+        torch.mul(grad[rows], scale, out=out[rows])
+    return out
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -45,6 +99,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, chunk_tokens):  # type: ignore[override]
         counted = (labels != IGNORE_INDEX).sum().clamp_min(1).float()  # a device tensor: no host sync
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        room = _chunk_room(min(hidden.shape[0], chunk_tokens), weight.shape[0])
         needs = ctx.needs_input_grad
         grad_hidden = torch.empty_like(hidden) if needs[0] else None
         # Accumulated in float32 across chunks, as the single matmul of the plain loss accumulates internally.
@@ -59,21 +114,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is None and grad_weight is None and grad_bias is None:
                 continue
             # d(sum of losses)/d(logits) = softmax - onehot on counted rows, 0 on ignored ones.
-            valid = target != IGNORE_INDEX
             grad_logits = torch.softmax(logits, dim=-1)
             del logits
-            rows = torch.arange(target.shape[0], device=target.device)
-            grad_logits[rows, target.clamp_min(0)] -= 1
-            grad_logits.mul_(valid.unsqueeze(1))
+            grad_logits[torch.arange(target.shape[0], device=target.device), target.clamp_min(0)] -= 1
+            grad_logits.mul_((target != IGNORE_INDEX).unsqueeze(1))
             grad_logits = grad_logits.to(part.dtype)  # as autograd casts it back through `.float()`
             if grad_hidden is not None:
                 torch.matmul(grad_logits, weight, out=grad_hidden[start:start + chunk_tokens])
             if grad_weight is not None:
-                grad_weight.add_(grad_logits.t().mm(part).float())
+                _add_product(grad_weight, grad_logits, part, room - grad_logits.numel() * grad_logits.itemsize)
             if grad_bias is not None:
-                grad_bias.add_(grad_logits.float().sum(0))
+                grad_bias += grad_logits.sum(0, dtype=torch.float32)
+            del grad_logits  # before the next chunk's logits, not after them
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, counted)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.dtypes, ctx.room = (weight.dtype, None if bias is None else bias.dtype), room
         return total / counted
 
     @staticmethod
@@ -83,8 +137,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         weight_dtype, bias_dtype = ctx.dtypes
         return (
             None if grad_hidden is None else grad_hidden * scale.to(grad_hidden.dtype),
-            None if grad_weight is None else (grad_weight * scale).to(weight_dtype),
-            None if grad_bias is None else (grad_bias * scale).to(bias_dtype),
+            None if grad_weight is None else _scaled(grad_weight, scale, weight_dtype, ctx.room),
+            None if grad_bias is None else _scaled(grad_bias, scale, bias_dtype, ctx.room),
             None,
             None,
         )

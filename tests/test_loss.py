@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lit_fsdp import loss as loss_module
 from lit_fsdp.loss import IGNORE_INDEX, LossHead, chunked_linear_cross_entropy, loss_bytes
 from lit_fsdp.model import CausalLM
 
@@ -103,3 +104,63 @@ def test_loss_bytes_at_8b_fall_from_19_6_gib_plain_to_about_3_gib_chunked():
     chunked = loss_bytes(16_384, 128_256, 4096, 2, 1024)  # the default chunk
     assert chunked == 1024 * 128_256 * 8 + 16_384 * 4096 * 2 + 128_256 * 4096 * 4 and round(chunked / gib, 1) == 3.1
     assert loss_bytes(100, 10, 4, 4, 4096) == 100 * 10 * 8 + 100 * 4 * 4 + 10 * 4 * 4  # one chunk: the whole step
+
+
+def _peak_bytes(step) -> int:
+    """Most bytes live at once while ``step()`` runs, less those still live after it (its outputs: the gradients).
+
+    Counted from the CPU allocator's own events, so temporaries made inside an op are seen too; scratch that a matmul
+    allocates and frees within itself (oneDNN's reorders for bfloat16 on CPU; cuBLAS keeps one workspace per process)
+    is left out.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        step()
+    nodes, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children)
+    events = sorted((n.start_time_ns, n.typed[1].ptr, n.typed[1].alloc_size, n.parent) for n in nodes
+                    if n.typed[0].name == "Allocation")
+    made_in = {}  # ptr -> (index of its allocation, the op that made it)
+    scratch = set()
+    for index, (_, ptr, size, op) in enumerate(events):
+        if size > 0:
+            made_in[ptr] = (index, op)
+        elif ptr in made_in:
+            made, maker = made_in.pop(ptr)
+            if maker is not None and maker.name in ("aten::mm", "aten::addmm") and op is not None and (
+                    maker.start_time_ns, maker.name) == (op.start_time_ns, op.name):
+                scratch.update((made, index))
+    survivors = {index for index, _ in made_in.values()}
+    live = peak = 0
+    for index, (_, _, size, _) in enumerate(events):
+        if index not in scratch and index not in survivors:
+            live += size
+            peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [8, 16, 1000])  # below the hidden size (16) a V x H temporary outgrows the logits
+def test_the_chunked_losss_peak_memory_in_forward_and_backward_is_what_loss_bytes_counts(dtype, bias, chunk):
+    hidden, weight, bias_tensor, labels = _inputs(dtype, bias)
+
+    def step():
+        chunked_linear_cross_entropy(hidden, weight, bias_tensor, labels, chunk).backward()
+
+    peak = _peak_bytes(step)
+    counted = loss_bytes(TOKENS, VOCAB, HIDDEN, dtype.itemsize, chunk, bias=bias)
+    # Uncounted: four 0-d float32 tensors (the running total, the label count, a chunk's sum and its weight).
+    assert counted <= peak <= counted + 16
+
+
+def test_a_device_that_refuses_a_float32_out_addmm_falls_back_to_vocabulary_slices_once(monkeypatch):
+    monkeypatch.setitem(loss_module._ADDMM_TO_FLOAT32, "cpu", True)  # CPU has no kernel for it: a real refusal
+    hidden, weight, _, labels = _inputs(torch.bfloat16, False)
+    plain = F.cross_entropy(F.linear(hidden, weight).float(), labels)
+    chunked = chunked_linear_cross_entropy(hidden, weight, None, labels, 8)
+    assert loss_module._ADDMM_TO_FLOAT32["cpu"] is False
+    for got, want in zip(_grads(chunked, (hidden, weight)), _grads(plain, (hidden, weight))):
+        torch.testing.assert_close(got, want, rtol=0.1, atol=1e-2)

@@ -16,7 +16,8 @@ r = 4 bytes per reduced gradient value):
   autograd keeps (Korthikanti et al. 2022 without dropout masks; attention's s x s scores are not
   kept by SDPA); a checkpointed block keeps only its input (h x m x s) and one block's activations
   come back during its recompute; SlideFSDP's ``activation_offload`` moves the kept inputs to the host.
-- **logits**: m x s x V x (p + 8): the logits, their float32 copy and the log-softmax.
+- **logits** (``lit_fsdp.loss.loss_bytes``): m x s x V x (p + 8), the logits, their float32 copy and the
+  log-softmax; with the chunked loss (C tokens a chunk) 8 x C x V + m x s x h x p + 4 x V x h instead.
 - **compression**: what the gradient compressor keeps between steps (``CompressionConfig.state_bytes``):
   error feedback holds a residual per element of every unit's whole unsharded gradient, c x P per process
   whatever the sharding (c = 4 bytes, 2 with ``residual_dtype: bfloat16``, twice that for DGC's
