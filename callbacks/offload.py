@@ -20,8 +20,14 @@ class OffloadStats(pl.Callback):
     Per step: gigabytes copied host-to-device (weights, checkpointed activations) and device-to-host
     (gradients, activations) and their rates, measured between CUDA events on the copy streams (on
     a CPU "device", around the copies); the time of the CPU AdamW updates and the share of it that
-    ran while the backward was still running (hidden). The record also gets the node's host state
-    (master weights, moments, staging copy, kept gradients) in GB and per billion parameters.
+    was hidden: that ran while the device was computing the backward (``offload.engine.hidden_update_s``),
+    not merely while the host was inside it; and the backward's time on the device (its compute, from
+    CUDA events on the compute stream, less the gaps where it idled while the host waited for a gradient
+    buffer) and on the host (waits included). A CPU-bound step shows a host backward near the update
+    time, a device backward far below it, and a low hidden share. On a CPU "device" the computing
+    thread is the device: host times, its waits for a buffer left out of the device's. The record also
+    gets the node's host state (master weights, moments, staging copy, kept gradients, activations) in
+    GB and per billion parameters.
     """
 
     def __init__(self, warmup_steps: int = 2):
@@ -59,7 +65,8 @@ class OffloadStats(pl.Callback):
             "d2h_gbps": mean(s.d2h_bytes for s in steps) / _GB / d2h_s if d2h_s > 0 else 0.0,
             "cpu_update_ms": update_s * 1000,
             "cpu_update_hidden_share": mean(s.cpu_update_hidden_s for s in steps) / update_s if update_s > 0 else 0.0,
-            "backward_ms": mean(s.backward_s for s in steps) * 1000,
+            "device_backward_ms": mean(s.device_backward_s for s in steps) * 1000,
+            "host_backward_ms": mean(s.host_backward_s for s in steps) * 1000,
         }
 
     def _host_state(self) -> dict[str, float]:
@@ -82,6 +89,7 @@ class OffloadStats(pl.Callback):
             return {}
         steps = self.steps[self.warmup_steps :] or self.steps
         record = {f"offload_{key}": value for key, value in self._figures(steps).items()}
+        record["offload_update_threads"] = self._trainer.strategy.update_threads_reason  # how many, and why
         record.update(self._host_state())
         return record
 

@@ -3,8 +3,9 @@
 A checkpointed block runs its forward without recording a graph and keeps only its input. In the
 backward it loads its weights, recomputes its forward from that input and back-propagates through
 it (the reentrant scheme: the block's parameter gradients accumulate during that inner backward).
-With ``activation_offload: cpu`` the kept input is copied to pinned host memory in the forward and
-copied back in the backward; block i-1's input is fetched while block i computes, so the copies
+With ``activation_offload: cpu`` the kept input is copied to the host in the forward, into an exact-size
+buffer of ``offload.host.HostState`` (pinned in place where pinning is on, counted and closed with the other host
+buffers), and copied back in the backward; block i-1's input is fetched while block i computes, so the copies
 overlap, and device memory for activations does not grow with depth.
 
 Non-checkpointed blocks are marked with ``BeforeBackward``: an identity whose backward loads the
@@ -20,6 +21,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from offload.engine import SlideEngine
+    from offload.host import HostState
 
 
 class BeforeBackward(torch.autograd.Function):
@@ -91,13 +93,17 @@ class CheckpointedBlock(nn.Module):
 class ActivationStore:
     """The inputs of checkpointed blocks between their forward and their backward: on the device or on the host."""
 
-    def __init__(self, engine: SlideEngine, offload: bool, pin: bool):
+    def __init__(self, engine: SlideEngine, offload: bool, buffers: HostState, pin: bool):
+        """
+        Args:
+            buffers: Where the offloaded inputs live (``HostState.activation_buffer``); pin: pin them in place.
+        """
         self.engine = engine
         self.offload = offload
-        self.pin = pin
+        self.buffers, self.pin = buffers, pin
         self.kept: dict[int, torch.Tensor] = {}
         self.offloaded: dict[int, Any] = {}  # block -> the event of its device-to-host copy
-        self.host: dict[int, torch.Tensor] = {}  # reusable pinned buffers, one per block
+        self.host: dict[int, torch.Tensor] = {}  # block -> its host buffer (a view of its region), reused every step
         self.fetched: dict[int, tuple[torch.Tensor, Any]] = {}  # block -> (device tensor, ready event)
 
     def keep(self, block: int, hidden: torch.Tensor) -> None:
@@ -106,7 +112,7 @@ class ActivationStore:
             return
         buffer = self.host.get(block)
         if buffer is None or buffer.shape != hidden.shape or buffer.dtype != hidden.dtype:
-            buffer = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=self.pin)
+            buffer = self.buffers.activation_buffer(block, hidden.numel(), hidden.dtype, self.pin).view(hidden.shape)
             self.host[block] = buffer
         self.offloaded[block] = self.engine.transfers.d2h(buffer, hidden.detach())
         self.kept[block] = buffer
@@ -135,7 +141,7 @@ class ActivationStore:
         return target
 
     def clear(self) -> None:
-        """Drop what a step left (an interrupted backward); the pinned buffers are kept for reuse."""
+        """Drop what a step left (an interrupted backward); the host buffers are kept for reuse."""
         self.kept.clear()
         self.offloaded.clear()
         self.fetched.clear()

@@ -13,12 +13,12 @@
   first the global norm, then every update (the updates cannot start before the norm is known: that
   overlap is lost), unless they are delayed by one step (``delayed_update``, ZeRO-Offload's DPU): then
   each unit's update runs during the next step's backward, when its next gradient reaches the host, and
-  the next step computes with weights one update old.
+  the next step computes with weights one update old. The step's figures (``OffloadStep``) are read then; the
+  CPU update's hidden part is measured against the device's backward (``offload.transfers.BackwardClock``).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,19 +38,30 @@ IDLE, FORWARD, BACKWARD = "idle", "forward", "backward"
 
 @dataclass
 class OffloadStep:
-    """What one optimizer step moved and spent (host-device bytes and seconds, CPU update time and its hidden part)."""
+    """What one optimizer step moved and spent (host-device bytes and seconds, CPU update time and its hidden part),
+    summed over the step's backwards (one per micro-batch)."""
 
     h2d_bytes: int
     h2d_s: float
     d2h_bytes: int
     d2h_s: float
     cpu_update_s: float
-    cpu_update_hidden_s: float  # the part of the CPU updates that ran while the backward was still running
-    backward_s: float
+    cpu_update_hidden_s: float  # the part that ran while the device computed the backward (``hidden_update_s``)
+    host_backward_s: float  # from ``loss.backward()`` to its return on the host, its waits for gradient buffers included
+    device_backward_s: float  # the device's compute: its span on the compute stream less its idle gaps at those waits
 
 
 def overlap(interval: tuple[float, float], window: tuple[float, float]) -> float:
     return max(0.0, min(interval[1], window[1]) - max(interval[0], window[0]))
+
+
+def hidden_update_s(updates: list[tuple[float, float]], backward: tuple[float, float],
+                    idle: tuple[tuple[float, float], ...]) -> float:
+    """Seconds of the CPU ``updates`` that ran while the device computed the ``backward`` (issue 26): each update's
+    overlap with the backward, less its overlap with the device's ``idle`` gaps in it (disjoint, inside the backward),
+    all on the host clock. A CPU-bound step, whose device idles while the host waits for the update that frees a
+    gradient buffer, hides at most the device's compute, not the host's whole backward."""
+    return sum(overlap(update, backward) - sum(overlap(update, gap) for gap in idle) for update in updates)
 
 
 class SlideEngine:
@@ -77,7 +88,7 @@ class SlideEngine:
         self.root = len(layouts) - 1
         self.num_blocks = len(blocks)
         self.window, self.gradients, self.transfers = window, gradients, transfers
-        self.activations = ActivationStore(self, offload_activations, pin)
+        self.activations = ActivationStore(self, offload_activations, gradients.host, pin)
         self.phase = IDLE
         self.accumulating = False  # inside Lightning's block_backward_sync: no update at this backward
         self.defer_updates = False  # clipping or skip_step: updates wait for the end of the backward
@@ -85,7 +96,6 @@ class SlideEngine:
         self.arrived: list[list[int]] = []  # gradients accumulated per unit and gradient part in the current backward
         self.sent = [0] * len(layouts)  # gradient parts sent per unit in the current backward
         self.last_step: OffloadStep | None = None  # the figures of the last optimizer step
-        self._backward_window = (0.0, 0.0)
         self._handles: list[RemovableHandle] = []
         self.keep_after_forward = max(0, len(window.slots) - 1)
         self.checkpointed = self._wrap_and_hook(blocks, checkpoint_every)
@@ -147,7 +157,7 @@ class SlideEngine:
         self.phase = BACKWARD
         self.arrived = [[0] * len(parts) for parts in self.gradients.parts]
         self.sent = [0] * len(self.layouts)
-        self._backward_window = (time.perf_counter(), float("inf"))
+        self.transfers.clock.begin()
 
     def before_backward(self, block: int) -> None:
         self.window.ensure(block)
@@ -187,7 +197,7 @@ class SlideEngine:
             self.window.release(block)
         self.activations.clear()
         self.phase = IDLE
-        self._backward_window = (self._backward_window[0], time.perf_counter())
+        self.transfers.clock.end()
 
     # --- optimizer step ----------------------------------------------------------------------------
 
@@ -204,12 +214,14 @@ class SlideEngine:
             adam.wait()
         self.window.root_stale = True
         totals = self.transfers.take_totals()
+        backwards = self.transfers.clock.take()  # after adam.wait(): nothing left to wait for (``BackwardClock.take``)
         intervals, adam.update_intervals = adam.update_intervals, []
         step = OffloadStep(
             h2d_bytes=totals.h2d_bytes, h2d_s=totals.h2d_s, d2h_bytes=totals.d2h_bytes, d2h_s=totals.d2h_s,
             cpu_update_s=sum(end - start for start, end in intervals),
-            cpu_update_hidden_s=sum(overlap(interval, self._backward_window) for interval in intervals),
-            backward_s=self._backward_window[1] - self._backward_window[0],
+            cpu_update_hidden_s=sum(hidden_update_s(intervals, b.host, b.idle) for b in backwards),
+            host_backward_s=sum(b.host[1] - b.host[0] for b in backwards),
+            device_backward_s=sum(b.device_s for b in backwards),
         )
         self.last_step = step
         return step

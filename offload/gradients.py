@@ -125,7 +125,7 @@ class GradientPipeline:
         flat = torch.empty(numel + (self.flag_elements if unsharded else 0), dtype=self.reduce_dtype, device=device)
         layout.scatter_to_rank_major(gradients, flat[:numel])
         if not self.gpu_reduce:  # the whole gradient, reduced on the host: one piece (the ring is sized for it)
-            incoming = self.host.incoming.acquire(numel, self.adam.failure)
+            incoming = self.host.incoming.acquire(numel, self.adam.failure, self.transfers.clock.waiting)
             copied = self.transfers.d2h(incoming, flat)
             self.adam.submit(partial(self._on_host, unit, 0, layout.shard_numel, incoming, copied, update_now))
             return
@@ -143,7 +143,8 @@ class GradientPipeline:
             verdict.copy_(torch.isfinite(shard.sum(dtype=torch.float32)).reshape(1))
         for start in range(0, n, self.capacity):
             stop = min(n, start + self.capacity)
-            incoming = self.host.incoming.acquire(stop - start + self.flag_elements, self.adam.failure)
+            incoming = self.host.incoming.acquire(stop - start + self.flag_elements, self.adam.failure,
+                                                   self.transfers.clock.waiting)
             if stop - start == n:
                 copied = self.transfers.d2h(incoming, outgoing)
             else:  # the part's verdict after each of its pieces

@@ -14,8 +14,11 @@ Per unit and rank:
   verdict on whether its part is finite; with
   gradient accumulation or clipping also one fp32 buffer per unit that holds the sum until the
   optimizer step (clipping needs every gradient before the first update).
+- **activations** (``activation_offload: cpu``): one buffer per checkpointed block for its input, made at the
+  first forward that needs it (the shape is known only then).
 
-Buffers that cross PCIe (staging, gradient ring) are pinned on GPUs unless pinning is off or fails.
+Every buffer is one exact-size allocation (``HostRegion``), closed by ``HostState.close``. Those that cross PCIe
+(staging, gradient ring, activations) are pinned in place on GPUs unless pinning is off or fails.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import queue
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -171,16 +175,23 @@ class BufferRing:
         for buffer in buffers:
             self._free.put(buffer)
 
-    def acquire(self, numel: int, failure: Callable[[], BaseException | None] = lambda: None) -> torch.Tensor:
-        """A free buffer's first ``numel`` elements; while none is free, raises ``failure()`` once it is not None
-        (the worker that gives buffers back has failed: waiting longer would wait forever)."""
-        while True:
-            try:
-                return self._free.get(timeout=self.POLL_S)[:numel]
-            except queue.Empty:
-                error = failure()
-                if error is not None:
-                    raise error
+    def acquire(self, numel: int, failure: Callable[[], BaseException | None] = lambda: None,
+                waiting: Callable[[], AbstractContextManager] = nullcontext) -> torch.Tensor:
+        """A free buffer's first ``numel`` elements. While none is free: waits inside ``waiting()`` (the backward's
+        clock marks the wait there), and raises ``failure()`` once it is not None (the worker that gives buffers back
+        has failed: waiting longer would wait forever)."""
+        try:
+            return self._free.get_nowait()[:numel]
+        except queue.Empty:
+            pass
+        with waiting():
+            while True:
+                try:
+                    return self._free.get(timeout=self.POLL_S)[:numel]
+                except queue.Empty:
+                    error = failure()
+                    if error is not None:
+                        raise error
 
     def release(self, buffer: torch.Tensor) -> None:
         """Give back a buffer ``acquire`` handed out (or any view that starts where it does)."""
@@ -221,6 +232,7 @@ class HostState:
         units = [UnitSize(layout.full_numel, layout.shard_numel) for layout in layouts]
         self.piece_capacity = piece_capacity(units, incoming_full, layouts[0].shards)
         self.incoming = BufferRing(ring_size, self.piece_capacity + FLAG_ELEMENTS, reduce_dtype, pin)
+        self.activations: dict[int, HostRegion] = {}  # checkpointed block -> its input's region (``activation_buffer``)
 
     def staging_targets(self, unit: int) -> list[torch.Tensor]:
         """Where this rank's rows of each of ``unit``'s parameters go in the staging copy (views, ``local_views`` order)."""
@@ -233,6 +245,17 @@ class HostState:
         for target, rows in zip(self.staging_targets(unit), self.layouts[unit].local_views(self.master[unit])):
             target.copy_(rows)
 
+    def activation_buffer(self, block: int, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """Host memory for checkpointed ``block``'s input (``activation_offload: cpu``): an exact-size region, made at
+        the first forward that needs it and again, the old one closed, only if its size or dtype changes. The old one's
+        last copy (the last backward's fetch) is done by then: the step waited for the gradient copies after it."""
+        region = self.activations.get(block)
+        if region is None or region.tensor.numel() != numel or region.tensor.dtype != dtype:
+            if region is not None:
+                region.close()
+            region = self.activations[block] = HostRegion.empty(numel, dtype, pin)
+        return region.tensor
+
     def buffer_bytes(self, count_shared: bool) -> dict[str, int]:
         """This rank's host bytes per buffer, named as ``offload.host_memory.host_buffers`` names them (a shared
         staging copy only if ``count_shared``)."""
@@ -244,12 +267,15 @@ class HostState:
             "staging": nbytes(self.staging) if self.shared is None or count_shared else 0,
             "kept_gradients": nbytes(self.gradients),
             "gradient_ring": self.incoming.region.nbytes,
+            "activations": sum(region.nbytes for region in self.activations.values()),
         }
 
     def close(self) -> None:
-        """Unpin the staging copy (the node's shared one too) and the gradient ring."""
+        """Unpin the staging copy (the node's shared one too), the gradient ring and the activation buffers."""
         self.staging_region.close()
         self.incoming.region.close()
+        for region in self.activations.values():
+            region.close()
 
 
 def node_tag(node_rank: int) -> str:

@@ -1,9 +1,9 @@
 """SlideFSDP's host memory on one node, buffer by buffer: the one accounting behind the preflight, ``tune`` and ``OffloadStats``.
 
-Every buffer ``offload.host.HostState`` and the activation store allocate is counted at its exact size
-(pinned buffers are registered in place, so torch's power-of-two rounding of pinned allocations does not
-apply). ``runtime`` is what a process needs besides its buffers (Python, torch, the CUDA runtime's host
-side, the data loader): an allowance, not a measurement.
+Every buffer ``offload.host.HostState`` allocates, the offloaded activations' included, is counted at its exact
+size: each is one allocation, pinned by registering it in place, so torch's power-of-two rounding of pinned
+allocations does not apply. ``runtime`` is what a process needs besides its buffers (Python, torch, the CUDA
+runtime's host side, the data loader): an allowance, not a measurement.
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
 
 def offloaded_activation_bytes(layers: int, checkpoint_every: int, micro_batch: int, seq_len: int, hidden: int,
                                compute_dtype: torch.dtype) -> int:
-    """Host bytes of one rank's checkpointed block inputs (``activation_offload: cpu``): one per checkpointed block."""
+    """Host bytes of one rank's checkpointed block inputs (``activation_offload: cpu``): one buffer per checkpointed
+    block (every ``checkpoint_every``-th from the first), of its input's shape (micro-batch, sequence, hidden) in the
+    compute dtype (``offload.host.HostState.activation_buffer``)."""
     if not checkpoint_every:
         return 0
     return math.ceil(layers / checkpoint_every) * micro_batch * seq_len * hidden * compute_dtype.itemsize

@@ -10,6 +10,12 @@ direction's copies run in order on a thread of their own (the "stream"), each af
 of up to that many milliseconds, and events are futures that complete when the stream reaches them. The
 computing thread stands for the compute stream: waiting on an event blocks it. A missing wait, or a buffer
 reused before its copy ran, then changes the numbers, as it would on a GPU.
+
+**The backward's clock** (``BackwardClock``, issue 26): what the CPU updates hide is measured against the device's
+backward, not the host's. The host's backward is stretched by its waits for a free gradient buffer (a CPU-bound step
+waits for the update that frees one), and the device, out of queued work, idles through them: timing events on the
+compute stream at the backward's ends and around each such wait give the device's compute and its idle gaps, read
+once the step has waited for its CPU updates. On a CPU "device" the computing thread is the device: host times.
 """
 
 from __future__ import annotations
@@ -51,6 +57,92 @@ class EmulatedStream:
         return self._thread.submit(lambda: None)
 
 
+@dataclass(frozen=True)
+class Mark:
+    """A point of the computing thread: its host time, and on a GPU a timing event on the compute stream there."""
+
+    host_s: float
+    event: torch.cuda.Event | None = None
+
+
+def device_seconds(start: Mark, end: Mark) -> float:
+    """Seconds the compute stream took from ``start`` to ``end`` (events complete); without a device, the host's."""
+    if start.event is None or end.event is None:
+        return end.host_s - start.host_s
+    return start.event.elapsed_time(end.event) / 1000
+
+
+@dataclass
+class _Span:
+    begin: Mark
+    end: Mark | None = None
+    waits: list[tuple[Mark, Mark]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BackwardTimes:
+    """One backward: its host interval (perf_counter), the device's compute in it, and the device's idle gaps at the
+    host's waits, placed on the host clock (each ends where its wait ended: an idle device starts the next work as
+    soon as the host queues it)."""
+
+    host: tuple[float, float]
+    device_s: float
+    idle: tuple[tuple[float, float], ...]
+
+
+class BackwardClock:
+    """Marks each backward's ends and the computing thread's waits in it (see the module docstring); no host sync."""
+
+    def __init__(self, on_cuda: bool):
+        self.on_cuda = on_cuda
+        self._spans: list[_Span] = []
+
+    def mark(self) -> Mark:
+        event = None
+        if self.on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return Mark(time.perf_counter(), event)  # after the record: an idle device reaches the event about now
+
+    def begin(self) -> None:
+        self._spans.append(_Span(self.mark()))
+
+    def end(self) -> None:
+        if self._spans and self._spans[-1].end is None:
+            self._spans[-1].end = self.mark()
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around a wait of the computing thread (for a gradient buffer); outside a backward, nothing is marked."""
+        span = self._spans[-1] if self._spans and self._spans[-1].end is None else None
+        if span is None:
+            yield
+            return
+        before = self.mark()
+        try:
+            yield
+        finally:
+            span.waits.append((before, self.mark()))
+
+    def take(self) -> list[BackwardTimes]:
+        """The backwards ended since the last call, and a fresh count. Call after the step has waited for its CPU
+        updates: they waited for every gradient's copy, which the copy stream started after the backward's kernels,
+        so the end events are complete and the one ``synchronize`` below returns at once (a GPU read needs it)."""
+        spans, self._spans = [span for span in self._spans if span.end is not None], []
+        times = []
+        for span in spans:
+            if span.end.event is not None:
+                span.end.event.synchronize()
+            idle = []
+            for before, after in span.waits:
+                # the device idles from when it ran out of work to the wait's end: at most the wait
+                gap = min(max(0.0, device_seconds(before, after)), after.host_s - before.host_s)
+                idle.append((after.host_s - gap, after.host_s))
+            device_s = device_seconds(span.begin, span.end) - sum(stop - start for start, stop in idle)
+            times.append(BackwardTimes((span.begin.host_s, span.end.host_s), max(0.0, device_s), tuple(idle)))
+        return times
+
+
 @dataclass
 class TransferTotals:
     """Bytes moved and seconds spent in each direction (GPU: measured between CUDA events on the copy streams)."""
@@ -85,6 +177,7 @@ class Transfers:
         self._on_stream = threading.local()  # the emulated stream this thread queues on (None: compute)
         self._lock = threading.Lock()
         self.totals = TransferTotals()
+        self.clock = BackwardClock(self.on_cuda)  # the engine marks the backward, the gradient pipeline its waits
 
     @contextmanager
     def on_h2d_stream(self, after: Event = None) -> Iterator[None]:

@@ -1,0 +1,200 @@
+"""Two defects of issue 26 first seen on an H200, pinned on CPU: the hidden share of the CPU update measured against
+the host's backward (defect 4), and activation offload on torch's caching pinned allocator (defect 7)."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+import torch
+
+from lit_fsdp.model import CausalLM
+from offload import cpu_adam, host, transfers
+from offload.engine import hidden_update_s, overlap
+from offload.strategy import SlideFSDPStrategy
+from tests.fake_cuda import FakeGpu
+from tests.test_offload_host import fake_cudart
+
+
+def test_the_hidden_update_time_is_its_overlap_with_the_backward_less_the_devices_idle_gaps():
+    backward, idle = (1.0, 5.0), ((1.5, 2.5), (3.0, 4.0))
+    assert hidden_update_s([(0.0, 1.5)], backward, idle) == pytest.approx(0.5)  # before the backward: not hidden
+    assert hidden_update_s([(1.5, 2.5)], backward, idle) == pytest.approx(0.0)  # all of it while the device idled
+    assert hidden_update_s([(2.0, 3.5)], backward, idle) == pytest.approx(0.5)  # 2.5-3.0 hidden, the rest idle
+    assert hidden_update_s([(4.5, 6.0)], backward, idle) == pytest.approx(0.5)  # after the backward: not hidden
+    # summed over updates; no gap: the whole overlap (a device-bound step)
+    assert hidden_update_s([(0.0, 1.5), (2.0, 3.5)], backward, idle) == pytest.approx(1.0)
+    assert hidden_update_s([(2.0, 3.5)], backward, ()) == pytest.approx(1.5)
+
+
+def test_a_cpu_bound_backward_on_a_gpu_hides_only_the_devices_compute_and_is_read_after_the_step(monkeypatch):
+    """The H200 run's shape: each block's backward is 10 ms on the device, then the host waits 100 ms for the update
+    that frees a gradient buffer while the device idles. The host's backward is 400 ms and the updates fill it (the old
+    share: 0.8); the device computed 40 ms of it, and that is all the updates hid. The events are read once the device
+    has caught up (the step's wait for its updates), with no host sync inside the backward."""
+    gpu = FakeGpu(monkeypatch)
+    now = [0.0]  # the host clock, in seconds; the device's runs in gpu.now_ms, in step while it idles
+    monkeypatch.setattr(transfers, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    clock = transfers.BackwardClock(on_cuda=True)
+    clock.begin()
+    for _ in range(4):
+        gpu.run(10)  # the block's backward, queued
+        with clock.waiting():
+            now[0] += 0.1  # the host waits for a gradient buffer
+            gpu.now_ms = max(gpu.now_ms, now[0] * 1000)  # the device, out of work, idles until the host queues more
+    clock.end()
+    assert gpu.waits == 0  # nothing in the backward waited for the device
+    updates = [(0.1 * k, 0.1 * (k + 1)) for k in range(5)]  # back to back on the worker, the last after the backward
+    gpu.catch_up()  # the step waited for its updates, which waited for the copies after the backward's kernels
+    (times,) = clock.take()
+    assert gpu.waits == 1  # the end event's synchronize, at the optimizer step, with nothing left to wait for
+    assert times.host == pytest.approx((0.0, 0.4)) and times.device_s == pytest.approx(0.04)
+    assert [gap for pair in times.idle for gap in pair] == pytest.approx(  # from when the device ran out of work
+        [t for k in range(4) for t in (0.1 * k + 0.01, 0.1 * (k + 1))])
+    hidden = hidden_update_s(updates, times.host, times.idle)
+    assert hidden == pytest.approx(0.04)  # 8% of the 0.5 s of updates, where the host's window said 80%
+    assert sum(overlap(update, times.host) for update in updates) == pytest.approx(0.4)
+    assert clock.take() == []  # a fresh count
+
+
+def _slow_pipeline(monkeypatch, update_s: float):
+    """One process's gradient pipeline over six one-matrix blocks and a root, two ring buffers, copies in place, each
+    CPU update taking ``update_s`` longer (inside the time the optimizer measures)."""
+    from compress.layout import UnitLayout
+    from offload.gradients import GradientPipeline
+
+    real = cpu_adam.adamw_step_in_chunks
+    monkeypatch.setattr(cpu_adam, "adamw_step_in_chunks", lambda *a, **k: (time.sleep(update_s), real(*a, **k))[1])
+    params = [torch.nn.Parameter(torch.empty(8, 8, device="meta")) for _ in range(7)]
+    layouts = [UnitLayout.build(f"unit{u}", [((f"p{u}",), p)], 1, 0) for u, p in enumerate(params)]
+    state = host.HostState(layouts, torch.float32, torch.float32, full_staging=True, keep_gradients=False,
+                           incoming_full=False, ring_size=2, pin=False, shared=None)
+    adam = cpu_adam.CpuAdam(layouts, state.master, torch.optim.AdamW(params, lr=1e-3))
+    return GradientPipeline(layouts, state, adam, transfers.Transfers(torch.device("cpu")), gpu_reduce=True,
+                            reduce_dtype=torch.float32, world_size=1, shard_rank=0, shard_group=None,
+                            replicate_group=None, host_group=None, check_finite=False)
+
+
+@pytest.mark.parametrize("compute_s, update_s, hidden_share", [(0.005, 0.06, (0.0, 0.3)), (0.06, 0.005, (0.6, 1.0))],
+                         ids=["cpu_bound", "device_bound"])
+def test_on_cpu_the_computing_threads_waits_for_a_gradient_buffer_hide_no_update(monkeypatch, compute_s, update_s,
+                                                                                 hidden_share):
+    """On a CPU "device" the computing thread is the device: while it waits for a ring buffer it computes nothing. A
+    CPU-bound step then reports a low share where the host's window reported most; a device-bound one, whose thread
+    never waits, still hides nearly every update."""
+    pipeline = _slow_pipeline(monkeypatch, update_s)
+    clock = pipeline.transfers.clock
+    clock.begin()
+    for unit in reversed(range(7)):
+        time.sleep(compute_s)  # the unit's backward
+        pipeline.reduce_and_offload(unit, 0, [torch.ones(8, 8)], update_now=True)
+    clock.end()
+    pipeline.adam.wait()
+    pipeline.adam.close()
+    (times,) = clock.take()
+    updates = pipeline.adam.update_intervals
+    total = sum(end - start for start, end in updates)
+    share = hidden_update_s(updates, times.host, times.idle) / total
+    assert hidden_share[0] <= share <= hidden_share[1], share
+    host_s = times.host[1] - times.host[0]
+    if compute_s < update_s:
+        assert len(times.idle) >= 4 and times.device_s < 0.4 * host_s, times  # five units waited for a buffer
+        assert sum(overlap(update, times.host) for update in updates) / total > 0.5  # the old measure
+    else:
+        assert times.device_s == pytest.approx(host_s, rel=0.1)
+
+
+def test_activation_buffers_are_exact_regions_registered_in_place_and_unpinned_at_teardown(monkeypatch):
+    """Like the staging copy and the gradient ring: one exact-size allocation per checkpointed block (a 3 x 20 x 100
+    bfloat16 input is 12,000 bytes, which torch's pinned allocator would round up to 16 KiB), registered in place,
+    replaced (the old one unregistered) only when the shape changes, counted, and unregistered at teardown."""
+    from offload.checkpointing import ActivationStore
+
+    cudart = fake_cudart(0, True)
+    registered = {}
+    cudart.cudaHostRegister = lambda ptr, size, flags: registered.__setitem__(ptr, size) or 0
+    cudart.cudaHostUnregister = lambda ptr: cudart.calls.append(("unregister", ptr))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch, "empty", _no_pinned_allocation(torch.empty))
+    layout = _unit()
+    state = host.HostState([layout], torch.bfloat16, torch.bfloat16, full_staging=True, keep_gradients=False,
+                           incoming_full=False, ring_size=2, pin=True, shared=None)
+    engine = types.SimpleNamespace(transfers=transfers.Transfers(torch.device("cpu")))
+    store = ActivationStore(engine, True, state, pin=True)
+    for block in (0, 2):
+        store.keep(block, torch.randn(3, 20, 100, dtype=torch.bfloat16))
+    first = store.host[0]
+    store.keep(0, torch.randn(3, 20, 100, dtype=torch.bfloat16))  # the next step: the same buffer
+    assert store.host[0].data_ptr() == first.data_ptr()
+    regions = [state.activations[block] for block in (0, 2)]
+    assert all(region.pinned and registered[region.tensor.data_ptr()] == 12_000 for region in regions)
+    assert state.buffer_bytes(count_shared=True)["activations"] == 2 * 12_000
+
+    store.keep(2, torch.randn(1, 20, 100, dtype=torch.bfloat16))  # a shorter last batch: a new region, the old closed
+    assert ("unregister", regions[1].tensor.data_ptr()) in cudart.calls
+    assert registered[store.host[2].data_ptr()] == 4_000
+    assert state.buffer_bytes(count_shared=True)["activations"] == 12_000 + 4_000
+
+    from lit_fsdp.strategy import CausalLMStrategy
+
+    monkeypatch.setattr(CausalLMStrategy, "teardown", lambda self: None)  # no process group to end here
+    strategy = SlideFSDPStrategy()
+    strategy.host = state
+    before = len(cudart.calls)
+    strategy.teardown()
+    strategy.teardown()  # once only
+    unregistered = {call[1] for call in cudart.calls[before:] if call[0] == "unregister"}
+    assert {state.activations[0].tensor.data_ptr(), state.activations[2].tensor.data_ptr()} <= unregistered
+    assert not any(region.pinned for region in state.activations.values())
+
+
+def _no_pinned_allocation(empty):
+    def checked(*args, **kwargs):
+        assert not kwargs.get("pin_memory"), "a host buffer from torch's caching pinned allocator"
+        return empty(*args, **kwargs)
+
+    return checked
+
+
+def _unit():
+    from compress.layout import UnitLayout
+
+    param = torch.nn.Parameter(torch.empty(6, 5, device="meta"))
+    return UnitLayout.build("unit", [(("p",), param)], 1, 0)
+
+
+def _activation_bytes(rank: int, world: int) -> tuple[int, int, int]:
+    """gpt2-tiny with 3 blocks placed by SlideFSDP (checkpointing every 2nd block, its input offloaded) on one CPU
+    process, after one training forward: the activation bytes allocated, counted and estimated."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from offload.engine import FORWARD
+
+    module = CausalLM(preset="gpt2-tiny", config_overrides={"n_layer": 3})
+    module.configure_model()
+    trainer = types.SimpleNamespace(num_devices=1, num_nodes=1, gradient_clip_val=None, accumulate_grad_batches=1)
+    module._trainer = trainer
+    strategy = SlideFSDPStrategy(activation_checkpointing=2, activation_offload="cpu")
+    strategy.parallel_devices = [torch.device("cpu")]
+    environment = LightningEnvironment()
+    environment.set_world_size(world)
+    environment.set_global_rank(rank)
+    strategy.cluster_environment = environment
+    strategy._device_mesh = strategy.cpu_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    strategy.host_group = None  # set by setup_environment: a gloo group for cpu_reduce only
+    strategy.place(module.model, module)
+    strategy.engine.phase = FORWARD
+    module(torch.randint(0, 512, (3, 20)))
+    data = types.SimpleNamespace(vocab_size=None, tokenizer=None, batch_size=3, seq_len=20)
+    allocated = sum(region.nbytes for region in strategy.host.activations.values())
+    estimated = strategy.host_buffer_estimate(trainer, module, data)["activations"]
+    return allocated, strategy.host_buffer_bytes()["activations"], estimated
+
+
+def test_the_estimate_of_offloaded_activations_is_what_a_forward_allocates(tmp_path):
+    from tests.distributed import run
+
+    ((allocated, counted, estimated),) = run(_activation_bytes, tmp_path, world=1)
+    assert allocated == counted == estimated == 2 * 3 * 20 * 64 * 4  # blocks 0 and 2, float32 inputs
