@@ -9,6 +9,8 @@ what makes it complete. A checkpoint without a complete manifest is never loaded
 
 ``--ckpt_path last`` takes the newest complete checkpoint in the run's checkpoint folder (``last`` or
 any step checkpoint, or one whose save was killed after its manifest and before its rename).
+
+``check_space`` refuses, before launch, checkpoints whose folder's disk cannot hold as many as exist at once.
 """
 
 from __future__ import annotations
@@ -238,3 +240,134 @@ def check_writable(folder: Path, flag: str) -> None:
         reason = {errno.EROFS: "read-only file system", errno.ENOSPC: "no space left on device",
                   errno.EACCES: "permission denied", errno.EPERM: "permission denied"}.get(error.errno, error.strerror)
         raise RunError(f"cannot write to {folder} ({flag}): {reason}; choose a writable folder") from error
+
+
+# --- space ---------------------------------------------------------------------------------------
+
+#: Added to the counted tensors: the scheduler's, loops' and callbacks' state, buffers, the manifest, DCP's metadata.
+SPACE_MARGIN = 0.02
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    """One checkpoint's bytes: its weights, what a full one adds (optimizer and compression state), what is counted."""
+
+    weights: int
+    training_state: int
+    counted: str
+
+    def total(self, weights_only: bool) -> int:
+        return int((self.weights + (0 if weights_only else self.training_state)) * (1 + SPACE_MARGIN))
+
+
+def checkpoint_size(strategy: Any, config: Any, world: int, nodes: int) -> CheckpointSize:
+    """The bytes of one checkpoint of ``config``'s model saved by ``strategy``: all of it, as on one disk.
+
+    Counted: float32 weights under every parameter name (FSDP2's and SlideFSDP's master, DDP's model; a tied
+    head under each of its names), AdamW's two moments per parameter in the strategy's ``optimizer_state_dtype``
+    (SlideFSDP; float32 elsewhere) and, where the strategy saves it (FSDP2's sharded checkpoints), every rank's
+    compression state as ``CompressionConfig.state_bytes`` counts it; then ``SPACE_MARGIN`` more.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        network = AutoModelForCausalLM.from_config(config)
+    named = sum(p.numel() for _, p in network.named_parameters(remove_duplicate=False))
+    unique = sum(p.numel() for p in network.parameters())
+    dtype = getattr(strategy, "optimizer_state_dtype", "float32")
+    state = unique * 2 * getattr(torch, dtype).itemsize
+    counted = f"float32 weights, AdamW's two moments in {dtype}"
+    compression = getattr(strategy, "compression", None)
+    # FSDP2 puts each rank's compression state in sharded checkpoints only (FSDP2Strategy.lightning_module_state_dict)
+    if compression is not None and compression.active and getattr(strategy, "_save_distributed_checkpoint", False):
+        mesh = strategy.mesh_shape(world, nodes)
+        replicas, shard = mesh if len(mesh) == 2 else (1, mesh[0])
+        kept = world * compression.state_bytes(unique, shard, replicas, config.hidden_size)
+        if kept:
+            state += kept
+            counted += f", {compression.method}'s state on each of {world} ranks"
+    return CheckpointSize(named * 4, state, f"{counted}, +{SPACE_MARGIN:.0%}")
+
+
+def saves_in_run(callback: Any, trainer: Any) -> int | None:
+    """How often a ModelCheckpoint saves in the run, where ``max_steps`` and a step cadence tell; None: unknown."""
+    steps = trainer.max_steps
+    if steps is None or steps < 0 or getattr(callback, "_train_time_interval", None) is not None:
+        return None
+    every_steps = getattr(callback, "_every_n_train_steps", 0)  # Lightning keeps the step cadence private
+    if every_steps and not callback.every_n_epochs:
+        return steps // every_steps
+    # No cadence given: at every validation, when validation runs every val_check_interval steps
+    interval = trainer.val_check_interval
+    if not every_steps and callback.every_n_epochs == 1 and trainer.check_val_every_n_epoch is None \
+            and isinstance(interval, int) and interval > 0 and trainer.limit_val_batches != 0:
+        return steps // interval
+    return None
+
+
+def copies_at_once(callback: Any, trainer: Any) -> tuple[int, str]:
+    """The most checkpoints a ModelCheckpoint has in its folder at once (0: it saves none), and why.
+
+    Those it keeps (``save_top_k``; -1 keeps every save of the run), ``last`` (a copy with ``save_last: true``,
+    written at the end of training too, a link with ``link``) and the one being written: a save goes aside and
+    what it replaces is removed after.
+    """
+    top, saves = callback.save_top_k, saves_in_run(callback, trainer)
+    last = int(callback.save_last is True or (callback.save_last == "link" and (top == 0 or saves == 0)))
+    kept = (1 if saves is None else saves) if top == -1 else top
+    copies = kept + last + 1 if kept or last else 0
+    if saves is not None:  # no more than the files the run ever writes
+        copies = min(copies, (saves if top else 0) + (max(saves, 1) if last else 0))
+    if not copies:
+        return 0, "it saves none"
+    reason = f"save_top_k {top}" + (" (every save)" if top == -1 else "") + (", save_last" if last else "")
+    reason += ", one being written" if copies == kept + last + 1 else f", {saves} saves in the run"
+    return copies, reason
+
+
+def _on_disk(path: Path) -> int:
+    if path.is_dir() and not path.is_symlink():
+        return sum(file.stat().st_size for file in path.rglob("*") if file.is_file() and not file.is_symlink())
+    return path.stat().st_size if path.is_file() and not path.is_symlink() else 0
+
+
+def check_space(trainer: Any, config: Any) -> None:
+    """Fail in one line, before launch, when a disk cannot hold the checkpoints that the ModelCheckpoint callbacks
+    on it have at once (``copies_at_once`` x ``checkpoint_size``); checkpoints already in their folders count as
+    free (a resumed run replaces them). Without a callback that saves, nothing is checked."""
+    plans = []
+    for callback in trainer.checkpoint_callbacks:
+        if not hasattr(callback, "save_top_k"):
+            continue
+        copies, reason = copies_at_once(callback, trainer)
+        if copies:
+            folder = Path(callback.dirpath or Path(trainer.default_root_dir) / "checkpoints").absolute()
+            existing = next(p for p in [folder, *folder.parents] if p.exists())
+            plans.append((folder, existing, callback, copies, reason))
+    if not plans:
+        return
+    world = trainer.num_nodes * trainer.num_devices
+    size = checkpoint_size(trainer.strategy, config, world, trainer.num_nodes)
+    by_disk: dict[int, list] = {}
+    for plan in plans:
+        by_disk.setdefault(os.stat(plan[1]).st_dev, []).append(plan)
+    for group in by_disk.values():
+        needed = sum(copies * size.total(callback.save_weights_only) for _, _, callback, copies, _ in group)
+        reusable = sum(_on_disk(path) for folder in {plan[0] for plan in group} for path in candidates(folder))
+        free = shutil.disk_usage(group[0][1]).free
+        if needed - reusable <= free:
+            continue
+        folder, _, callback, copies, reason = group[0]
+        each = size.total(callback.save_weights_only)
+        what = f"{copies} at once ({reason}) of {each / _GIB:.1f} GiB each ({size.counted})"
+        if len(group) > 1:
+            what += f" and {len(group) - 1} more ModelCheckpoint(s) on the same disk"
+        if reusable:
+            what += f", less {reusable / _GIB:.1f} GiB of checkpoints already there"
+        raise CheckpointError(
+            f"checkpoints need {(needed - reusable) / _GIB:.1f} GiB ({needed - reusable} bytes) in {folder} but "
+            f"{free / _GIB:.1f} GiB ({free} bytes) are free there: {what}; set the ModelCheckpoint's dirpath to a "
+            "disk with room, keep fewer (save_top_k 0 or 1, save_last false, save_weights_only true) or turn "
+            "checkpointing off (no ModelCheckpoint in trainer.callbacks and --trainer.enable_checkpointing false)"
+        )

@@ -21,11 +21,11 @@ from lit_fsdp.ddp import DDPStrategy
 from lit_fsdp.errors import PeerLostError, lost_peer
 from lit_fsdp.model import CausalLM
 from lit_fsdp.strategy import CausalLMStrategy
-from lit_fsdp.wandb_logger import SaveConfig, WandbLogger
+from lit_fsdp.wandb_logger import CSVFallbackLogger, SaveConfig, WandbLogger, default_logger
 
 TRAINER_DEFAULTS = {
     "strategy": {"class_path": "lit_fsdp.strategy.FSDP2Strategy"},
-    "logger": {"class_path": "lit_fsdp.wandb_logger.WandbLogger"},
+    # "logger": W&B, or CSV in the run folder without the wandb package (wandb_logger.default_logger, decided per run)
     "max_steps": 200,
     "default_root_dir": "runs/default",  # the run folder: results, traces, checkpoints, W&B files
     "val_check_interval": 100,
@@ -77,12 +77,16 @@ class LitFsdpCLI(LightningCLI):
         checkpoints.check_writable(Path(self.trainer.default_root_dir), "--trainer.default_root_dir")
         for callback in self.trainer.checkpoint_callbacks:
             checkpoints.check_writable(Path(callback.dirpath), "the ModelCheckpoint's dirpath")
+        if self.subcommand == "fit" and not self.trainer.fast_dev_run:  # only fit saves checkpoints, not a dev run
+            checkpoints.check_space(self.trainer, self.model.hf_config(self.datamodule))
         self._resolve_checkpoint()
         # W&B's name is the results.jsonl record's; a tag per method makes runs easy to filter.
         for logger in self.trainer.loggers:
             if isinstance(logger, WandbLogger):
                 tags = [compression_method(self.trainer)]
                 logger.use_run(self.trainer.default_root_dir, run_name(self.trainer), tags=tags)
+            elif isinstance(logger, CSVFallbackLogger):
+                logger.use_folder(self.trainer.default_root_dir)
 
     def _resolve_checkpoint(self) -> None:
         """``--ckpt_path last``: the newest complete checkpoint; a named one must be complete and of the same global batch."""
@@ -129,7 +133,7 @@ def run(args: list[str] | None = None, cli_class: type[LitFsdpCLI] = LitFsdpCLI,
         CausalLM,
         BlockDataModule,
         subclass_mode_data=True,
-        trainer_defaults=TRAINER_DEFAULTS,
+        trainer_defaults={**TRAINER_DEFAULTS, "logger": default_logger()},
         seed_everything_default=1234,
         save_config_callback=SaveConfig,
         save_config_kwargs={"overwrite": True},

@@ -1,12 +1,14 @@
 """Weights & Biases, the default logger: offline unless the user has set W&B up, its files in the run folder.
 
-``SaveConfig`` puts the resolved config in the run folder and in every W&B run; ``publish_summary`` puts
-the run's results record in every W&B run's summary.
+Without the wandb package the default is ``CSVFallbackLogger`` instead (``default_logger``): metrics in a CSV
+file in the run folder. ``SaveConfig`` puts the resolved config in the run folder and in every W&B run;
+``publish_summary`` puts the run's results record in every W&B run's summary.
 """
 
 from __future__ import annotations
 
 import configparser
+import importlib.util
 import netrc
 import os
 from pathlib import Path
@@ -16,7 +18,11 @@ from urllib.parse import urlsplit
 import lightning.pytorch as pl
 import yaml
 from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_fsdp.errors import OneLineError
 
 # W&B's cloud, whose `wandb login` key is stored under either name (recent wandb's default base URL is the second).
 _CLOUD_HOSTS = ("api.wandb.ai", "api.forge.coreweave.com")
@@ -64,6 +70,31 @@ def offline_by_default() -> bool:
     return not _netrc_has_key({host for host in hosts if host})
 
 
+def wandb_installed() -> bool:
+    """Whether the wandb package can be imported, found without importing it (that takes most of a second)."""
+    return importlib.util.find_spec("wandb") is not None
+
+
+def default_logger() -> dict[str, str]:
+    """``--trainer.logger``'s default: W&B, or ``CSVFallbackLogger`` when the wandb package is missing."""
+    name = "WandbLogger" if wandb_installed() else "CSVFallbackLogger"
+    return {"class_path": f"lit_fsdp.wandb_logger.{name}"}
+
+
+class CSVFallbackLogger(CSVLogger):
+    """The default logger without the wandb package: Lightning's CSVLogger, ``metrics.csv`` under the run folder."""
+
+    def __init__(self) -> None:
+        # No arguments: jsonargparse would hand a default logger's init_args to a --trainer.logger that takes them.
+        super().__init__(save_dir=".")  # the run folder, from use_folder (the CLI calls it before training)
+
+    def use_folder(self, folder: str) -> None:
+        """Log under ``folder`` (the run folder), and say once, on rank 0, why not to W&B and how to get it."""
+        self._save_dir = self._root_dir = os.path.abspath(folder)
+        rank_zero_info(f"lit_fsdp: the wandb package is not installed: metrics go to {self.log_dir}/metrics.csv "
+                       "instead of Weights & Biases (`pip install wandb` to log to W&B)")
+
+
 class WandbLogger(LightningWandbLogger):
     """Weights & Biases: offline unless W&B is set up (``wandb sync`` uploads later); files in the run folder."""
 
@@ -89,6 +120,12 @@ class WandbLogger(LightningWandbLogger):
             offline: Log to local files only (upload later with ``wandb sync``); default: offline unless
                 ``mode``, ``WANDB_MODE``, ``WANDB_API_KEY`` or a ``wandb login`` key is set.
         """
+        if not wandb_installed():
+            raise OneLineError(
+                "--trainer.logger lit_fsdp.wandb_logger.WandbLogger needs the wandb package, which is not installed: "
+                "`pip install wandb`, or drop the WandbLogger from trainer.logger (without wandb the default logs "
+                "to CSV in the run folder)"
+            )
         # Not `name`/`save_dir` (Lightning's spelling): jsonargparse keeps the default logger's init_args that
         # a class chosen by --trainer.logger also takes, and CSVLogger/TensorBoardLogger would get name=None
         # (no lightning_logs/ folder) and save_dir=None (by design, omni-us/jsonargparse#460).
