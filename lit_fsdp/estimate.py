@@ -49,6 +49,8 @@ class RunTrainer:
     accumulate_grad_batches: int
     gradient_clip_val: float | None
     strategy: Any
+    hardware: Hardware
+    """the machine the strategy was placed on"""
 
 
 def _devices(given: Any, hardware: Hardware) -> int:
@@ -59,8 +61,9 @@ def _devices(given: Any, hardware: Hardware) -> int:
     return int(given)
 
 
-def parse(fit_args: Sequence[str], hardware: Hardware) -> tuple[RunTrainer, Any, Any]:
-    """(trainer fields, LightningModule, DataModule) of ``fit_args``, the strategy placed on ``hardware``'s devices."""
+def parse(fit_args: Sequence[str], hardware: Hardware | None = None) -> tuple[RunTrainer, Any, Any]:
+    """(trainer fields, LightningModule, DataModule) of ``fit_args``, the strategy placed on ``hardware``'s devices
+    (default: this machine as the configs' accelerator sees it: a CPU config on a GPU host is estimated on its CPU)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         cli = parse_fit(list(fit_args), run=False, cli_class=_ConfigOnly)
@@ -69,11 +72,16 @@ def parse(fit_args: Sequence[str], hardware: Hardware) -> tuple[RunTrainer, Any,
     if isinstance(strategy, str) or strategy is None:
         raise ValueError(f"--trainer.strategy is {strategy!r}; estimate needs lit_fsdp.strategy.FSDP2Strategy or "
                          "offload.SlideFSDPStrategy (a class_path with init_args)")
+    trains_on = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(str(config.accelerator))
+    hardware = hardware or detect(trains_on)
+    if trains_on is not None and trains_on != hardware.accelerator:
+        raise ValueError(f"the configs train on {trains_on} but the hardware is {hardware.accelerator}; "
+                         "fix --trainer.accelerator or the hardware file's accelerator")
     devices = _devices(config.devices, hardware)
     strategy.parallel_devices = [torch.device(hardware.accelerator, index) for index in range(devices)]
     trainer = RunTrainer(num_nodes=config.num_nodes or 1, num_devices=devices,
                          accumulate_grad_batches=config.accumulate_grad_batches or 1,
-                         gradient_clip_val=config.gradient_clip_val, strategy=strategy)
+                         gradient_clip_val=config.gradient_clip_val, strategy=strategy, hardware=hardware)
     return trainer, cli.model, cli.datamodule
 
 
@@ -288,6 +296,6 @@ def main(argv: Sequence[str]) -> None:
     as_json = "--json" in argv
     tune_args, fit_args = split_arguments([arg for arg in argv if arg != "--json"])
     options = parse_options(tune_args)
-    hardware = load(options.hardware) if options.hardware else detect()
-    figures = estimate_step(*parse(fit_args, hardware), hardware)
+    trainer, module, data = parse(fit_args, load(options.hardware) if options.hardware else None)
+    figures = estimate_step(trainer, module, data, trainer.hardware)
     print(json.dumps(figures, indent=2) if as_json else report(figures), file=sys.stdout)

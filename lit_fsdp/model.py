@@ -53,6 +53,7 @@ class CausalLM(pl.LightningModule):
         """
         super().__init__()
         self.save_hyperparameters()
+        self._logged_nonfinite_steps: int | None = None
         if pretrained_path is not None:
             if not (Path(pretrained_path) / "config.json").is_file():
                 raise FileNotFoundError(
@@ -170,7 +171,11 @@ class CausalLM(pl.LightningModule):
         norm = strategy.clip_and_guard(optimizer, gradient_clip_val)
         if norm is not None:
             self.log("train/grad_norm", norm, sync_dist=False)
-        self.log("train/nonfinite_steps", float(strategy.nonfinite_steps), sync_dist=False)
+        # Logged when it changes: self.log makes a device tensor of a Python number, a blocking host-to-device copy
+        # (one host sync per step on an H200, 2026-11-26, callbacks.HostSyncs).
+        if strategy.nonfinite_steps != self._logged_nonfinite_steps:
+            self._logged_nonfinite_steps = strategy.nonfinite_steps
+            self.log("train/nonfinite_steps", float(strategy.nonfinite_steps), sync_dist=False)
 
     # --- checkpoints -----------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import OnNonFinite
 from lit_fsdp.strategy import CausalLMStrategy, DType
 from offload.cpu_adam import CpuAdam
-from offload.cpu_binding import SYSFS, CpuBinding, bind_process, pci_address, plan_binding
+from offload.cpu_binding import SYSFS, CpuBinding, bind_process, pci_address, physical_cores, plan_binding
 from offload.engine import FORWARD, SlideEngine
 from offload.gradients import GradientPipeline, gradient_parts
 from offload.host import HostState, SharedStaging, can_pin, check_shared_memory, node_tag
@@ -58,21 +58,36 @@ def available_host_bytes() -> int | None:
 
 
 
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota where one is set."""
+def core_limits() -> tuple[int, float | None]:
+    """(CPUs in this process's affinity mask, its cgroup v2 CPU quota in CPUs or None where there is none)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, int(int(quota) / int(period))))
+        return cores, None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
-        pass
-    return cores
+        return cores, None
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota where one is set."""
+    cores, quota = core_limits()
+    return cores if quota is None else min(cores, max(1, int(quota)))
 
 
 def update_threads(processes_per_node: int) -> int:
     """Threads for one rank's CPU updates: its share of the usable cores, less one for the thread that launches kernels."""
     return max(1, usable_cores() // processes_per_node - 1)
+
+
+def describe_cores(sysfs: Path = SYSFS) -> str:
+    """This process's CPU limits in words, for the reason its update got the threads it got (issue 26: the affinity
+    mask, the cgroup quota and SMT siblings each can cut them); read them before binding, which narrows the mask."""
+    cpus, quota = core_limits()
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(cpus))
+    physical = len(physical_cores(set(allowed), sysfs))
+    return (f"{cpus} CPUs in the affinity mask ({physical} physical cores), "
+            + ("no cgroup CPU quota" if quota is None else f"a cgroup quota of {quota:g} CPUs"))
+
 
 class SlideFSDPStrategy(CausalLMStrategy):
     """Layer-streaming CPU offload (SlideFSDP): master weights and AdamW on the host, a window of blocks on the device."""
@@ -94,6 +109,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         optimizer_state_dtype: OptimizerStateDType = "float32",
         delayed_update: bool = False,
         pin_memory: bool = True,
+        host_memory_gb: float | None = None,
         block_class: str | None = None,
         on_nonfinite: OnNonFinite = "stop",
         process_group_backend: str | None = None,
@@ -130,6 +146,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
                 checkpoint, a validation and the end of training apply the waiting update first. Keeps each unit's
                 gradient on the host (4 B/param); not with gradient accumulation.
             pin_memory: Pin the host buffers that cross PCIe (GPU only); if pinning fails it is turned off with a warning.
+            host_memory_gb: Host memory (GiB per node) the preflight may count on; default: MemAvailable now. Set it
+                on a VM whose memory is granted as it is used, where MemAvailable starts far below what the VM gets.
             block_class: Class name of the transformer block; default: the model's ``_no_split_modules``.
             on_nonfinite: A step whose loss or gradients are not finite: ``stop`` the run before anything non-finite is
                 applied, ``skip_step`` on every rank (the CPU updates then wait for the end of the backward, as with
@@ -148,6 +166,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
             )
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for usable cores / processes per node, less one")
+        if host_memory_gb is not None and not host_memory_gb > 0:
+            raise ValueError(f"SlideFSDP host_memory_gb={host_memory_gb} must be > 0, or null for MemAvailable")
         if optimizer_state_dtype not in get_args(OptimizerStateDType):
             raise ValueError(f"SlideFSDP optimizer_state_dtype={optimizer_state_dtype!r}: set it to float32 or bfloat16")
         self.window = window
@@ -164,10 +184,12 @@ class SlideFSDPStrategy(CausalLMStrategy):
         self.optimizer_state_dtype = optimizer_state_dtype
         self.delayed_update = delayed_update
         self.pin_memory = pin_memory
+        self.host_memory_gb = host_memory_gb
         self.engine: SlideEngine | None = None
         self.host: HostState | None = None
         self.adam: CpuAdam | None = None
         self.host_state_dict: HostStateDict | None = None
+        self.update_threads_reason = ""  # set with the threads in setup_environment; in the run record
 
     # --- before any worker starts ------------------------------------------------------------------
 
@@ -252,16 +274,20 @@ class SlideFSDPStrategy(CausalLMStrategy):
     def check_host_memory(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None,
                           available: int | None = None) -> dict[str, int]:
         """Fail before training if the node's host buffers and runtime cannot fit in ``available`` bytes (default:
-        the memory available now); returns what it counted, per buffer."""
+        ``host_memory_gb``, else the memory available now); returns what it counted, per buffer."""
         units = self.unit_sizes(module, datamodule, trainer.num_devices)
         parts = with_runtime(self.host_buffer_estimate(trainer, module, datamodule, units=units), trainer.num_devices)
         needed = sum(parts.values())
-        available = available_host_bytes() if available is None else available
+        source = "available"
+        if available is None and self.host_memory_gb is not None:
+            available, source = int(self.host_memory_gb * _GIB), "allowed by host_memory_gb"
+        elif available is None:
+            available, source = available_host_bytes(), "available (MemAvailable; set host_memory_gb on a VM that grows its memory on demand)"
         if available is not None and needed > available:
             billions = sum(unit.full_numel for unit in units) / 1e9
             raise ValueError(
                 f"SlideFSDP needs {needed / _GIB:.1f} GiB of host memory per node for {billions:.2f}B parameters "
-                f"({describe(parts)} GiB) but {available / _GIB:.1f} GiB are available; use a smaller model or more "
+                f"({describe(parts)} GiB) but {available / _GIB:.1f} GiB are {source}; use a smaller model or more "
                 "nodes, or drop what keeps gradients (clipping, accumulation, on_nonfinite: skip_step)"
             )
         if self.param_transfer == "full" and trainer.num_devices > 1:  # the node's staging copy lives in /dev/shm
@@ -277,11 +303,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        threads = self.cpu_threads
-        if self.root_device.type == "cuda":  # Lightning limits threads on CPU runs only; the AdamW updates need it too
-            default = update_threads(self.num_processes)  # counted before binding: the affinity and quota we were given
-            binding = self.bind_cpus()
-            threads = threads or (min(default, binding.threads) if binding is not None else default)
+        threads, self.update_threads_reason = self.plan_update_threads()
+        rank_zero_info(f"SlideFSDP CPU update: {self.update_threads_reason}")
         if threads is not None:
             torch.set_num_threads(threads)
         shape = self.mesh_shape(self.world_size, self.num_nodes)
@@ -293,6 +316,23 @@ class SlideFSDPStrategy(CausalLMStrategy):
             )
         # The worker thread's collectives (cpu_reduce) need a group no other thread uses, or orders could mix.
         self.host_group = dist.new_group(backend="gloo") if self.grad_sync == "cpu_reduce" else None
+
+    def plan_update_threads(self, sysfs: Path = SYSFS) -> tuple[int | None, str]:
+        """This rank's update threads (None: leave torch's setting) and why, binding its CPUs first on GPU runs.
+        Lightning limits threads on CPU runs only; the AdamW updates on a GPU run need a setting too."""
+        if self.root_device.type != "cuda":
+            if self.cpu_threads is not None:
+                return self.cpu_threads, f"{self.cpu_threads} update threads: cpu_threads was set"
+            return None, f"{torch.get_num_threads()} update threads: Lightning's setting on CPU runs"
+        default = update_threads(self.num_processes)  # counted before binding: the affinity and quota we were given
+        cores = describe_cores(sysfs)
+        binding = self.bind_cpus(sysfs)
+        if self.cpu_threads is not None:
+            return self.cpu_threads, f"{self.cpu_threads} update threads: cpu_threads was set"
+        threads = min(default, binding.threads) if binding is not None else default
+        bound = "" if binding is None else f"; bound to {binding.describe()}"
+        return threads, (f"{threads} update threads: {cores}; {self.num_processes} process(es) per node, one core each "
+                         f"left to launching kernels{bound}")
 
     def bind_cpus(self, sysfs: Path = SYSFS) -> CpuBinding | None:
         """With ``cpu_binding: numa`` on GPUs, bind this process's threads (and those it starts later) to its share of
@@ -376,7 +416,6 @@ class SlideFSDPStrategy(CausalLMStrategy):
         assert self.host is not None and self.engine is not None
         parts = self.host.buffer_bytes(count_shared=self.cpu_mesh["shard"].get_local_rank() == 0)
         parts["adam_moments"] = self.adam.nbytes() if self.adam is not None else 0
-        parts["activations"] = sum(t.numel() * t.element_size() for t in self.engine.activations.host.values())
         return parts
 
     def host_state_bytes(self) -> int:

@@ -21,8 +21,9 @@ import torch
 
 from compress.config import METHODS, CompressionConfig
 
-# Methods that are communicators rather than tensor codecs, or need no codec (onebit_adam and zero_one_adam use signsgd's codec).
-SKIPPED = {"none", "powersgd", "onebit_adam", "zero_one_adam"}
+# Methods that are communicators rather than tensor codecs (powersgd and sketch exchange in rounds), or need no codec
+# (onebit_adam and zero_one_adam use signsgd's codec).
+SKIPPED = {"none", "powersgd", "sketch", "onebit_adam", "zero_one_adam"}
 
 
 def sync(device: torch.device) -> None:

@@ -220,3 +220,26 @@ def test_slide_fsdp_on_gpus_binds_each_rank_to_its_share_and_takes_its_update_th
     assert on_cpu.bind_cpus(two_nodes) is None and len(bound) == 1
     with pytest.raises(ValueError, match="cpu_binding='nodes': set it to numa or none"):
         slide.SlideFSDPStrategy(cpu_binding="nodes")
+
+
+def test_a_gpu_rank_states_its_update_threads_and_what_cut_them(two_nodes, monkeypatch):
+    """Issue 26: the probe and the run record say how many update threads a rank got and why (affinity, quota, SMT
+    siblings, binding); a cgroup quota of 24 CPUs over 4 ranks leaves 5 threads each, under the binding's 6."""
+    import torch
+
+    from offload import strategy as slide
+
+    monkeypatch.setattr(slide, "pci_address", lambda index: GPUS[index])
+    monkeypatch.setattr(slide, "bind_process", lambda cpus: None)
+    monkeypatch.setattr(slide.os, "sched_getaffinity", lambda pid: parse_cpu_list("0-31,64-95"))  # both nodes
+    monkeypatch.setattr(slide, "core_limits", lambda: (64, 24.0))
+    strategy = slide.SlideFSDPStrategy(control_cores=2)
+    strategy.parallel_devices = [torch.device("cuda", index) for index in range(4)]
+    strategy.cluster_environment = SimpleNamespace(local_rank=lambda: 3)
+    threads, reason = strategy.plan_update_threads(two_nodes)
+    assert threads == 24 // 4 - 1 == 5
+    assert reason.startswith("5 update threads: 64 CPUs in the affinity mask (32 physical cores), a cgroup quota of 24 "
+                             "CPUs; 4 process(es) per node, one core each left to launching kernels; bound to NUMA node 1, "
+                             "CPUs 24-31,88-95 (8 cores), 6 update threads")
+    strategy.cpu_threads = 3
+    assert strategy.plan_update_threads(two_nodes) == (3, "3 update threads: cpu_threads was set")

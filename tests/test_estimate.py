@@ -25,7 +25,7 @@ def test_every_shipped_config_is_estimated_on_the_hardware_it_is_for():
         if config.name in ("quickstart.yaml", "wikipedia.yaml"):
             continue  # the base of every overlay; wikipedia.yaml reads ../shared, which a CI machine may not have
         configs = ["--config", str(QUICKSTART), "--config", str(config)]
-        machine = h100 if config.name in ON_GPU else detect()
+        machine = h100 if config.name in ON_GPU else detect("cpu")  # "cpu": also where the test host has a GPU
         if config.name == "multinode_hybrid.yaml":  # an overlay on gpt2_124m.yaml for 2 nodes x 8 GPUs
             configs[2:2] = ["--config", str(REPO / "configs" / "gpt2_124m.yaml")]
             machine = cluster
@@ -58,6 +58,17 @@ def test_the_8b_offload_case_on_one_h100_is_bound_by_the_cpu_update_and_fits_its
 
 def test_a_config_that_names_another_machine_than_the_hardware_is_one_clear_error():
     with pytest.raises(ValueError, match="the configs train on cuda but the hardware is cpu"):
-        hardware = detect()
+        hardware = detect("cpu")
         estimate_step(*parse(["--config", str(QUICKSTART), "--config", str(REPO / "configs" / "llama_1b.yaml")],
                              load(H100)), hardware)
+
+
+def test_without_a_hardware_file_a_cpu_config_is_estimated_on_the_cpu_even_where_a_gpu_is_present(monkeypatch):
+    import lit_fsdp.estimate as estimate_module
+
+    asked = []
+    monkeypatch.setattr(estimate_module, "detect", lambda accelerator=None: asked.append(accelerator) or detect("cpu"))
+    trainer, _, _ = parse(["--config", str(QUICKSTART)])  # accelerator: cpu
+    assert asked == ["cpu"] and trainer.hardware.accelerator == "cpu"
+    with pytest.raises(ValueError, match="the configs train on cpu but the hardware is cuda"):
+        parse(["--config", str(QUICKSTART)], load(H100))

@@ -121,13 +121,14 @@ def test_offload_config_records_every_measuring_callback_and_moves_the_bytes_est
         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path,
     )
     record_ = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
-    hardware = detect()
+    hardware = detect("cpu")  # the configs train on the CPU, also where the test host has a GPU
     predicted = estimate_step(*parse(configs, hardware), hardware)  # `python -m lit_fsdp estimate` on the same configs
     assert record_["offload_h2d_gb"] == pytest.approx(predicted["h2d_bytes"] / 1e9, rel=1e-6)
     assert record_["offload_d2h_gb"] == pytest.approx(predicted["d2h_bytes"] / 1e9, rel=1e-6)
     assert record_["offload_h2d_gb"] > 0 and record_["offload_d2h_gb"] > 0
     assert record_["offload_h2d_gbps"] > 0 and record_["offload_cpu_update_ms"] > 0
     assert record_["offload_cpu_update_hidden_share"] == 0  # clipping (the quickstart's): updates wait for the norm
+    assert record_["offload_update_threads"].endswith("update threads: Lightning's setting on CPU runs")
     # What was allocated equals what the preflight counted (offload.host_memory, from the same layouts): fp32 master 4
     # + moments 8 + fp32 staging 4 + kept gradients (clipping) 4 B/param, the gradient ring and the checkpointed
     # inputs on the host (a large share at this size: the tiny model's root is most of it)

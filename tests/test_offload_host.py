@@ -447,3 +447,23 @@ def test_a_delayed_update_applies_each_steps_gradient_and_learning_rate_during_t
             assert all(torch.equal(sa[key], sb[key]) for key in sa)
     undelayed.adam.close()
     delayed.adam.close()
+
+
+def test_host_memory_gb_replaces_memavailable_where_a_vm_grants_memory_as_it_is_used(monkeypatch):
+    """Issue 26: on a VM whose MemAvailable starts far below what it will grant, the preflight refused a run that fits;
+    ``host_memory_gb`` states the memory instead, and each refusal names where its figure came from."""
+    from offload import strategy as slide
+
+    strategy, trainer, module, data = _llama_8b_offload()
+    strategy.optimizer_state_dtype = "bfloat16"  # 82.6 GiB in all
+    monkeypatch.setattr(slide, "available_host_bytes", lambda: 20 * GIB)  # what such a VM reports at start
+    with pytest.raises(ValueError, match=r"but 20.0 GiB are available \(MemAvailable; set host_memory_gb on a VM that "
+                                         r"grows its memory on demand\); use"):
+        strategy.check_host_memory(trainer, module, data)
+    strategy.host_memory_gb = 120.0
+    assert round(sum(strategy.check_host_memory(trainer, module, data).values()) / GIB, 1) == 82.6
+    strategy.host_memory_gb = 64.0
+    with pytest.raises(ValueError, match=r"but 64.0 GiB are allowed by host_memory_gb; use"):
+        strategy.check_host_memory(trainer, module, data)
+    with pytest.raises(ValueError, match=r"^SlideFSDP host_memory_gb=0 must be > 0, or null for MemAvailable$"):
+        SlideFSDPStrategy(host_memory_gb=0)

@@ -88,12 +88,13 @@ def _meminfo_gb(key: str) -> float | None:
     return None
 
 
-def detect() -> Hardware:
-    """This node as the tuner sees it; nodes from SLURM (``SLURM_JOB_NUM_NODES``), else 1."""
+def detect(accelerator: Literal["cuda", "cpu"] | None = None) -> Hardware:
+    """This node as the tuner sees it; nodes from SLURM (``SLURM_JOB_NUM_NODES``), else 1. ``accelerator`` ``cpu``
+    describes the host alone where a GPU is present too (runs configured for the CPU); default: the GPU if any."""
     host_memory = _meminfo_gb("MemTotal") or 1.0
     nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
     cores = os.cpu_count() or 1
-    if torch.cuda.is_available():
+    if accelerator != "cpu" and torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(0)
         return Hardware(
             accelerator="cuda", device_name=properties.name, nodes=nodes, devices_per_node=torch.cuda.device_count(),
