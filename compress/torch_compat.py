@@ -18,7 +18,7 @@ TORCH_FLOOR = (2, 11)
 
 __all__ = [
     "AllGather", "ReduceScatter", "CheckpointImpl", "checkpoint_wrapper", "TORCH_FLOOR",
-    "all_gather_bytes", "bf16_native", "torch_version", "kineto_events",
+    "all_gather_bytes", "bf16_native", "torch_version", "kineto_events", "allocation_events",
 ]
 
 
@@ -75,3 +75,17 @@ def kineto_events(prof: torch.profiler.profile) -> list[dict]:
             "is_user_annotation": bool(is_user_annotation()) if is_user_annotation is not None else False,
         })
     return out
+
+
+def allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int, tuple[int, str] | None]]:
+    """The allocator's events of a ``profile_memory=True`` profile, in time order: (start ns, address, bytes (negative:
+    freed), the op that was running as (its start ns, its name), or None). ``experimental_event_tree`` and its nodes'
+    ``typed`` fields are private bindings of torch's profiler (torch/csrc/profiler/python/init.cpp), in 2.11 to 2.14."""
+    nodes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children)
+    return sorted((n.start_time_ns, n.typed[1].ptr, n.typed[1].alloc_size,
+                   None if n.parent is None else (n.parent.start_time_ns, n.parent.name))
+                  for n in nodes if n.typed[0].name == "Allocation")

@@ -93,6 +93,7 @@ def _meminfo() -> dict[str, float]:
 def _cpu_view(device: str) -> dict[str, Any]:
     """Cores as SlideFSDP's CPU binding sees them, and the update threads it would use (``offload.cpu_binding``)."""
     from offload.cpu_binding import numa_node_of, pci_address, physical_cores, plan_binding
+    from offload.strategy import describe_cores, update_threads
 
     allowed = os.sched_getaffinity(0)
     quota = None
@@ -108,8 +109,10 @@ def _cpu_view(device: str) -> dict[str, Any]:
     if device == "cuda":
         pci = pci_address(0)
         binding = plan_binding(0, [pci], set(allowed), control_cores=1)
-        view.update(gpu_pci=pci, gpu_numa_node=numa_node_of(pci), update_threads=binding.threads,
-                    binding=binding.describe())
+        threads = min(update_threads(1), binding.threads)  # what SlideFSDP's plan_update_threads takes, one rank
+        view.update(gpu_pci=pci, gpu_numa_node=numa_node_of(pci), update_threads=threads,
+                    update_threads_reason=f"{threads} update threads: {describe_cores()}; one core left to launching "
+                                          f"kernels; bound to {binding.describe()}")
     return view
 
 
@@ -580,9 +583,8 @@ def _table(records: list[dict[str, Any]]) -> str:
     for r in records:
         shown = {k: v for k, v in r.items() if k not in ("step", "status", "rc", "seconds", "versions", "hardware", "cpu",
                                                          "nvidia_smi", "failed") and not isinstance(v, (dict, list))}
-        for run in ("slide_fsdp", "fsdp2_1b"):
-            if isinstance(r.get("summary"), dict):
-                shown.update({k: v for k, v in r["summary"].items() if k in ("tokens_per_s", "mfu") or "hidden" in k})
+        if isinstance(r.get("summary"), dict):
+            shown.update({k: v for k, v in r["summary"].items() if k in ("tokens_per_s", "mfu") or "hidden" in k})
         text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
         lines.append(f"{r['step']:<16}{r['status']:<9}{r['seconds']:>7.1f}  {text[:400]}")
     return "\n".join(lines)
@@ -609,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda but torch sees no CUDA device; use --device cpu for the CPU mode")
+    print("versions:", ", ".join(f"{k} {v or 'missing'}" for k, v in _versions().items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out / "work"
     work.mkdir(parents=True, exist_ok=True)

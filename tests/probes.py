@@ -157,6 +157,25 @@ class DieAtStep(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class FillDisk(pl.Callback):
+    """Rank 0 fills the file system of ``path`` with a file there once training reaches optimizer step ``step``: a disk
+    that had room at launch (the preflight's check) runs out during the run."""
+
+    def __init__(self, path: str, step: int):
+        self.path, self.step, self.done = path, step, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 0 and trainer.global_step >= self.step and not self.done:
+            self.done = True
+            try:
+                with open(self.path, "wb") as filler:
+                    while True:
+                        filler.write(b"\0" * (1 << 20))
+                        filler.flush()
+            except OSError:  # no space left: what was asked
+                pass
+
+
 class FailHostSide(pl.Callback):
     """On global rank ``rank``, from optimizer step ``step`` on, SlideFSDP's host side raises: in the CPU update
     (``update``), the wait for a gradient's copy (``d2h``) or the CPU all-reduce (``reduce``)."""

@@ -232,7 +232,7 @@ def test_a_surviving_rank_names_the_collective_and_the_rank_that_died(tmp_path):
 def small_disk(tmp_path):
     """A 4 MB tmpfs (and a read-only one): mounting needs root, so the test is skipped elsewhere."""
     disks = []
-    for name, options in (("full", "size=4m"), ("readonly", "size=1m,ro")):
+    for name, options in (("full", "size=4m"), ("filling", "size=16m"), ("readonly", "size=1m,ro")):
         folder = tmp_path / name
         folder.mkdir()
         if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True).returncode:
@@ -246,14 +246,21 @@ def small_disk(tmp_path):
 
 
 def test_full_and_read_only_disks_fail_in_one_line_and_keep_the_last_checkpoint(tmp_path, small_disk):
-    full, readonly = small_disk
+    full, filling, readonly = small_disk
+    # Too small for the checkpoints at launch: refused before any worker starts (issue 26)
     result = run_cli(*fit_arguments(tmp_path / "run", steps=STEPS, callbacks=[every(2, full, save_last=False)]),
                      cwd=tmp_path, check=False)
     assert result.returncode == 2 and len(errors(result)) == 1, result.stderr[-3000:]
-    assert f"cannot write checkpoint to {full}" in errors(result)[0] and "no space left on device" in errors(result)[0]
-    kept = [checkpoints.inspect(p) for p in checkpoints.candidates(full)]
+    assert f"in {full}" in errors(result)[0] and "are free" in errors(result)[0]
+    assert "Initializing distributed" not in result.stderr
+    # Room at launch, full by step 4's checkpoint: that write fails in one line and step 2's is kept
+    callbacks = [every(2, filling, save_last=False), probe("FillDisk", path=str(filling / "filler"), step=3)]
+    result = run_cli(*fit_arguments(tmp_path / "run", steps=STEPS, callbacks=callbacks), cwd=tmp_path, check=False)
+    assert result.returncode == 2 and len(errors(result)) == 1, result.stderr[-3000:]
+    assert f"cannot write checkpoint to {filling}" in errors(result)[0] and "no space left on device" in errors(result)[0]
+    kept = [checkpoints.inspect(p) for p in checkpoints.candidates(filling)]
     assert [found.manifest["step"] for found in kept] == [2]  # the earlier checkpoint, complete; no partial left
-    assert not list(full.glob(".*partial*"))
+    assert not list(filling.glob(".*partial*"))
 
     arguments = fit_arguments(tmp_path / "ro")
     arguments[-1] = str(readonly / "run")  # the run folder (the logger's and the config's files stay writable)

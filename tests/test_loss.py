@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from compress.torch_compat import allocation_events
 from lit_fsdp import loss as loss_module
 from lit_fsdp.loss import IGNORE_INDEX, LossHead, chunked_linear_cross_entropy, loss_bytes
 from lit_fsdp.model import CausalLM
@@ -115,13 +116,7 @@ def _peak_bytes(step) -> int:
     """
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
         step()
-    nodes, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        nodes.append(node)
-        stack.extend(node.children)
-    events = sorted((n.start_time_ns, n.typed[1].ptr, n.typed[1].alloc_size, n.parent) for n in nodes
-                    if n.typed[0].name == "Allocation")
+    events = allocation_events(profiler)
     made_in = {}  # ptr -> (index of its allocation, the op that made it)
     scratch = set()
     for index, (_, ptr, size, op) in enumerate(events):
@@ -129,8 +124,7 @@ def _peak_bytes(step) -> int:
             made_in[ptr] = (index, op)
         elif ptr in made_in:
             made, maker = made_in.pop(ptr)
-            if maker is not None and maker.name in ("aten::mm", "aten::addmm") and op is not None and (
-                    maker.start_time_ns, maker.name) == (op.start_time_ns, op.name):
+            if maker is not None and maker[1] in ("aten::mm", "aten::addmm") and maker == op:
                 scratch.update((made, index))
     survivors = {index for index, _ in made_in.values()}
     live = peak = 0
