@@ -320,6 +320,7 @@ def _fit(name: str, work: Path, configs: list[str], record: Record, steps: int, 
     return run
 
 
+HOST_MEMORY_VARIABLE = "GPU_CHECK_HOST_MEMORY_GB"  # --host-memory-gb, handed to the steps' processes
 MEASURING_CALLBACKS = [{"class_path": f"callbacks.{name}"} for name in ("Throughput", "Memory", "Results")]
 
 
@@ -327,8 +328,8 @@ def _offload_strategy(device: str, dtype: str, **knobs: Any) -> dict[str, Any]:
     init = {"window": 2, "param_transfer": "full", "grad_sync": "gpu_reduce", "param_dtype": dtype, "reduce_dtype": "auto",
             "activation_checkpointing": 1, "activation_offload": "cpu", **knobs}
     if device == "cuda":
-        # The VM's memory is granted as it is used: MemAvailable starts far below the 128 GiB it gets.
-        init["host_memory_gb"] = 120.0
+        # The VM's memory is granted as it is used: MemAvailable starts far below what it gets (--host-memory-gb).
+        init["host_memory_gb"] = float(os.environ[HOST_MEMORY_VARIABLE])
     return {"class_path": "offload.SlideFSDPStrategy", "init_args": init}
 
 
@@ -345,9 +346,11 @@ def _accelerator(device: str) -> dict[str, Any]:
 
 
 def step_slide_fsdp(record: Record, device: str, work: Path) -> None:
-    """SlideFSDP as configs/llama_8b_offload.yaml with 8 of its 32 blocks (about 2.8B), 10 steps."""
+    """SlideFSDP as configs/llama_8b_offload.yaml with 8 of its 32 blocks (about 2.8B), 10 steps, host syncs counted."""
     overrides = _shape(device, "llama-8b", 8, 2048, 8)
-    overrides["trainer"] = {**_accelerator(device), "gradient_clip_val": None,
+    callbacks = [{"class_path": "callbacks.HostSyncs", "init_args": {"warmup_steps": 3, "steps": 5}},
+                 {"class_path": "callbacks.OffloadStats"}, *MEASURING_CALLBACKS]
+    overrides["trainer"] = {**_accelerator(device), "gradient_clip_val": None, "callbacks": callbacks,
                             "strategy": _offload_strategy(device, "bfloat16" if device == "cuda" else "float32")}
     override = _yaml(work / "slide_fsdp_shape.yaml", overrides)
     run = _fit("slide_fsdp", work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(override)], record,
@@ -597,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default=",".join(FIRST),
                         help=f"comma-separated, in order (default: the first list); of {', '.join(STEPS)}")
     parser.add_argument("--budget", type=float, default=510.0, help="seconds for all steps together")
+    parser.add_argument("--host-memory-gb", type=float, default=120.0,
+                        help="host memory SlideFSDP's preflight may count on (its host_memory_gb); the lent VM has 128 GiB")
     parser.add_argument("--work", type=Path, help="folder for the runs' own files (default: <out>/work)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -611,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda but torch sees no CUDA device; use --device cpu for the CPU mode")
+    os.environ[HOST_MEMORY_VARIABLE] = str(args.host_memory_gb)
     print("versions:", ", ".join(f"{k} {v or 'missing'}" for k, v in _versions().items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out / "work"
