@@ -35,7 +35,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torch.profiler import ProfilerActivity, schedule, tensorboard_trace_handler
 
-from callbacks.run_folder import folder, log_metrics, run_name, write_json
+from callbacks.run_folder import file_name, folder, log_metrics, run_name, write_json
 from compress.torch_compat import kineto_events
 
 # The c10d op (or gloo range) that issued a collective -> the collective's name in our reports.
@@ -299,7 +299,7 @@ class CommProfiler(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Every rank writes its trace into the same folder: rank 0's run name decides it.
         name = trainer.strategy.broadcast(run_name(trainer))
-        trace_dir = folder(trainer) / "profiler" / name
+        trace_dir = folder(trainer) / "profiler" / file_name(name)
         self._traces = tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{trainer.global_rank}")
         self._trainer = trainer
         self._first_step = trainer.global_step  # ProfilerStep#0 is the first step of this fit (resumed or not)

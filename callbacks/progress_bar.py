@@ -6,9 +6,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from callbacks.throughput import RUNNING_KEY
+from lit_fsdp.lightning_compat import RICH_AVAILABLE as _RICH_AVAILABLE
 
 #: Logged name -> (name in the bar, format). Other metrics keep their name and show 3 decimals.
 SHOWN = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import weakref
 from pathlib import Path
@@ -43,10 +44,30 @@ def folder(trainer: pl.Trainer) -> Path:
     return path
 
 
+def file_name(name: str) -> str:
+    """``name`` (a run name: a user's or a logger's) as one file name, so that a ``/`` or ``..`` in it cannot put
+    files outside the run folder."""
+    return re.sub(r"[^\w.=+-]", "_", name).strip(".") or "run"
+
+
 def write_json(trainer: pl.Trainer, filename: str, data: Any) -> None:
     """Rank 0 writes ``data`` as ``<run folder>/<filename>`` (other ranks do nothing)."""
     if trainer.is_global_zero:
-        (folder(trainer) / filename).write_text(json.dumps(data, indent=2, default=str))
+        write_atomically(folder(trainer) / filename, json.dumps(data, indent=2, default=str))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``path`` holds its previous content or ``text``, never part of it (a full disk, a killed run): written
+    beside it, then renamed over it."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def append_jsonl(trainer: pl.Trainer, filename: str, record: dict[str, Any]) -> None:

@@ -403,8 +403,10 @@ class OneBitAdam(torch.optim.AdamW):
     In a compressed round a parameter's ``grad`` holds the average of the local momenta over the denominators
     (what the hooks delivered; in 0/1 Adam's local rounds the owner's own, in its sync rounds the period's
     average less what the owner applied alone), and the state's ``exp_avg`` the AdamW momentum of the last exact
-    round, decayed by ``b1`` every step. Where exact rounds follow compressed ones (0/1 Adam), the momentum the
-    hooks delivered last is kept (``delivered``) and added to ``exp_avg`` before the next AdamW step. Gradient
+    round, decayed by ``b1`` every step. Where an exact round follows a compressed one (0/1 Adam), the momentum the
+    hooks delivered in the compressed one is folded into ``exp_avg`` there, for the AdamW step next: kept aside until
+    then, it would be a state key that a fresh optimizer lacks, and sharded checkpoints load only the keys a fresh
+    optimizer has (a resumed run lost it). Gradient
     clipping applies in exact rounds only (``clipping_applies``): ``grad`` is otherwise an update direction
     already divided by ``sqrt(v)``, whose norm grows with the parameter count; the hooks clip each coordinate to
     ``bound`` instead. Sharded checkpoints save and load the state as AdamW's; the phase is the number of steps in it.
@@ -458,7 +460,8 @@ class OneBitAdam(torch.optim.AdamW):
         return loss
 
     def _exact_step(self) -> None:
-        """AdamW, on the momentum that includes what the compressed rounds since the last exact one delivered."""
+        """AdamW, on the momentum that includes what the compressed rounds since the last exact one delivered (folded
+        in by ``_frozen_step``)."""
         if not isinstance(self.phase, ZeroOnePhase) or self.phase.steps < self.phase.warmup:
             super().step()  # 1-bit Adam's warm-up and 0/1 Adam's first rounds: AdamW itself, bit for bit
             return
@@ -470,8 +473,6 @@ class OneBitAdam(torch.optim.AdamW):
                     continue
                 state = self.state[param]
                 exp_avg, exp_avg_sq, gradient = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), _local(param.grad)
-                if "delivered" in state:
-                    exp_avg.add_(_local(state.pop("delivered")).float() * self.denominator(param))
                 state["step"] += 1
                 exp_avg.mul_(beta1).add_(gradient, alpha=1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
@@ -494,9 +495,10 @@ class OneBitAdam(torch.optim.AdamW):
                 state["step"] += 1
                 step = float(state["step"])
                 carried = _local(state["exp_avg"]).mul_(beta1)
-                direction = (carried / self.denominator(param)).add_(_local(param.grad))  # the grad: avg(m / d)
-                if keep:  # an exact round follows: it needs the momentum as delivered now
-                    state["delivered"] = param.grad.detach().clone()
+                denominator = self.denominator(param)
+                direction = (carried / denominator).add_(_local(param.grad))  # the grad: avg(m / d)
+                if keep:  # an exact round follows: its AdamW momentum includes the momentum delivered now
+                    carried.add_(_local(param.grad).float() * denominator)
                 weights = _local(param)
                 if decay:
                     weights.mul_(1 - lr * decay)

@@ -1,4 +1,4 @@
-"""Every version-sensitive or private torch API lit_fsdp uses, in one place, for torch 2.11 (the floor) and newer.
+"""Every version-sensitive or private torch API lit_fsdp uses, in one place, for torch 2.11 (the floor) to 2.14.
 
 Private modules move between releases and public collectives appear in some releases only
 (``dist.all_gather_single`` is newer than 2.11): the rest of the project imports them from here, so a
@@ -15,9 +15,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 #: the oldest torch release lit_fsdp supports and tests (pyproject.toml asks for it; CI runs the distributed tests on it)
 TORCH_FLOOR = (2, 11)
+#: the newest torch minor release tested (CI runs a list of tests on it; pyproject.toml caps torch below the next one)
+TORCH_NEWEST_TESTED = (2, 14)
 
 __all__ = [
-    "AllGather", "ReduceScatter", "CheckpointImpl", "checkpoint_wrapper", "TORCH_FLOOR",
+    "AllGather", "ReduceScatter", "CheckpointImpl", "checkpoint_wrapper", "TORCH_FLOOR", "TORCH_NEWEST_TESTED",
     "all_gather_bytes", "bf16_native", "torch_version", "kineto_events", "allocation_events",
 ]
 
@@ -60,8 +62,8 @@ def kineto_events(prof: torch.profiler.profile) -> list[dict]:
     on the CPU or kineto's copy of it on the GPU timeline).
 
     ``name``, ``start_ns``, ``duration_ns``, ``start_thread_id``, ``device_type``, ``device_index`` and
-    ``device_resource_id`` are bound in every release from before 2.11 to 2.13. ``is_user_annotation`` is bound
-    since pytorch/pytorch#130733 (mid 2024), so 2.11 and 2.13 have it; a build without it reads as no annotations.
+    ``device_resource_id`` are bound in every release from before 2.11 to 2.14. ``is_user_annotation`` is bound
+    since pytorch/pytorch#130733 (mid 2024), so 2.11 to 2.14 have it; a build without it reads as no annotations.
     """
     results = getattr(prof.profiler, "kineto_results", None)
     out = []

@@ -1,14 +1,27 @@
-"""Entry point: ``python -m lit_fsdp`` (or ``lit-fsdp``) with fit/validate/test/predict, tune, estimate, export, generate,
-evaluate, hardware or compressors."""
+"""Entry point: ``python -m lit_fsdp COMMAND`` (or ``lit-fsdp``); ``python -m lit_fsdp --help`` lists the commands."""
 
 from __future__ import annotations
 
 import os
 import sys
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_fsdp.errors import RunError, error_line
+
+#: Every command and what it does: the top-level help, and the answer to an unknown command.
+COMMANDS = {
+    "fit": "train a model: --config FILE and --model.*, --data.*, --trainer.* options (LightningCLI)",
+    "validate": "the validation loss of a model, or of a checkpoint with --ckpt_path, as fit logs it",
+    "export": "write a checkpoint as a Hugging Face folder (config.json, model.safetensors, tokenizer)",
+    "generate": "continue a prompt with a trained model, printing the text as it comes",
+    "evaluate": "loss and perplexity of a trained model on a Wikipedia-format file",
+    "tune": "find the fastest strategy setting that fits, by running short real trials",
+    "estimate": "memory, traffic and a step-time bound of a run's configs, before it runs (no device needed)",
+    "hardware": "print this machine's hardware as JSON, the format --tune.hardware reads",
+    "compressors": "list the gradient compression methods, their parameters and defaults",
+}
 
 #: Commands that run in this one process, each a function whose signature is its command line.
 SINGLE_PROCESS_COMMANDS = {
@@ -18,34 +31,75 @@ SINGLE_PROCESS_COMMANDS = {
     "hardware": "lit_fsdp.tune.hardware:hardware",
 }
 
+#: LightningCLI's commands that lit_fsdp does not offer: the data has no test split, and predictions would have
+#: nowhere to go (LightningCLI writes none).
+NOT_OFFERED = ("test", "predict")
+INSTEAD = ("use validate for the validation loss, evaluate CHECKPOINT --data.path FILE for the loss on a file, "
+           "or generate CHECKPOINT for text")
+
+
+def usage() -> str:
+    """The top-level help: every command with what it does."""
+    width = max(map(len, COMMANDS))
+    lines = ["usage: python -m lit_fsdp COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
+    lines += ["", "python -m lit_fsdp COMMAND --help shows a command's options; "
+              "LIT_FSDP_TRACEBACK=1 shows the traceback behind a one-line error."]
+    return "\n".join(lines)
+
+
+def compressors(args: list[str]) -> None:
+    """List the gradient compression methods (``--trainer.strategy.init_args.compression``'s ``method``)."""
+    if args in (["-h"], ["--help"]):
+        print(f"usage: lit_fsdp compressors\n\n{COMMANDS['compressors']}: the values of "
+              "--trainer.strategy.init_args.compression's method and the parameters each takes.")
+    elif args:
+        raise ValueError(f"compressors takes no arguments, got {' '.join(args)}; run python -m lit_fsdp compressors")
+    else:
+        from compress.config import describe_methods
+
+        print(describe_methods())
+
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    command = args[0] if args else None
     try:
-        if args[:1] == ["compressors"]:
-            from compress.config import describe_methods
-
-            print(describe_methods())
-        elif args[:1] == ["tune"]:
+        if command in (None, "-h", "--help"):
+            print(usage(), file=sys.stdout if command else sys.stderr)
+            sys.exit(0 if command else 2)
+        elif command in NOT_OFFERED:
+            raise ValueError(f"'{command}' is not offered: lit_fsdp's data has no test split and LightningCLI writes no "
+                             f"predictions; {INSTEAD}")
+        elif not command.startswith("-") and command not in COMMANDS:
+            raise ValueError(f"unknown command {command!r}; choose from {', '.join(COMMANDS)} "
+                             "(python -m lit_fsdp --help says what each does)")
+        elif command == "compressors":
+            compressors(args[1:])
+        elif command == "tune":
             from lit_fsdp.tune.command import main as tune
 
             tune(args[1:])
-        elif args[:1] == ["estimate"]:
+        elif command == "estimate":
             from lit_fsdp.estimate import main as estimate
 
             estimate(args[1:])
-        elif args[:1] and args[0] in SINGLE_PROCESS_COMMANDS:
+        elif command in SINGLE_PROCESS_COMMANDS:
             from importlib import import_module
 
             from jsonargparse import auto_cli
 
-            module, function = SINGLE_PROCESS_COMMANDS[args[0]].split(":")
-            auto_cli(getattr(import_module(module), function), args=args[1:], prog=f"lit_fsdp {args[0]}")
+            from lit_fsdp.help import PlainHelpFormatter
+
+            module, function = SINGLE_PROCESS_COMMANDS[command].split(":")
+            auto_cli(getattr(import_module(module), function), args=args[1:], prog=f"lit_fsdp {command}",
+                     formatter_class=PlainHelpFormatter)
         else:
             from lit_fsdp.cli import run
 
             run(argv)
-    except (ValueError, FileNotFoundError) as error:
+    # Lightning's MisconfigurationException is a user's setting it refuses before anything runs.
+    except (ValueError, FileNotFoundError, MisconfigurationException) as error:
         if os.environ.get("LIT_FSDP_TRACEBACK"):
             raise
         # Every rank raises an error the ranks agreed on (a non-finite step, a checkpoint that could not be

@@ -11,6 +11,12 @@ what makes it complete. A checkpoint without a complete manifest is never loaded
 any step checkpoint, or one whose save was killed after its manifest and before its rename).
 
 ``check_space`` refuses, before launch, checkpoints whose folder's disk cannot hold as many as exist at once.
+
+Every checkpoint file is read by ``load``: ``torch.load`` with ``weights_only=True``, which unpickles tensors and
+plain Python values only. That is all lit_fsdp writes (every kind saved and read back: FSDP2 sharded and full-file,
+SlideFSDP, DDP, each compression method that keeps state), so a file holding anything else is refused before any
+of it runs. A sharded folder's ``.metadata`` is unpickled by torch.distributed.checkpoint itself, with no such
+restriction: such folders must come from a trusted source.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import shutil
 import time
 import zipfile
@@ -28,6 +35,7 @@ from typing import Any
 import torch
 
 from lit_fsdp.errors import RunError
+from lit_fsdp.lightning_compat import METADATA_FILENAME
 
 MANIFEST = "lit_fsdp_manifest.json"
 MANIFEST_KEY = "lit_fsdp_manifest"  # in a full-file checkpoint
@@ -36,6 +44,10 @@ FORMAT = "lit_fsdp checkpoint v1"
 
 class CheckpointError(RunError):
     """A checkpoint that cannot be written or read; the message is one line that names the path."""
+
+
+class UntrustedCheckpointError(CheckpointError):
+    """A checkpoint file holding objects lit_fsdp never writes: refused, since unpickling them could run code."""
 
 
 # --- writing ---------------------------------------------------------------------------------------
@@ -139,6 +151,30 @@ def write_error(path: Path, error: BaseException) -> CheckpointError:
 
 # --- reading ---------------------------------------------------------------------------------------
 
+_WEIGHTS_ONLY_FAILED = "Weights only load failed"  # how torch.load(weights_only=True) starts its refusal
+
+
+def load(file: Path, **options: Any) -> Any:
+    """``torch.load(file, weights_only=True, **options)``; a file it refuses raises ``UntrustedCheckpointError``."""
+    try:
+        return torch.load(file, weights_only=True, **options)
+    except pickle.UnpicklingError as error:
+        raise _refusal(Path(file), error) from None
+
+
+def _refusal(file: Path, error: pickle.UnpicklingError) -> Exception:
+    """The one-line error for ``file`` that ``torch.load(weights_only=True)`` refused with ``error`` (else ``error``)."""
+    if _WEIGHTS_ONLY_FAILED not in str(error):
+        return error
+    try:  # read from the pickle's opcodes, without running them
+        found = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(str(file)))
+    except Exception:  # noqa: BLE001 - the names only illustrate; the refusal stands without them
+        found = ""
+    return UntrustedCheckpointError(
+        f"{file} holds objects a checkpoint written by lit_fsdp never holds ({found or 'not tensors or plain values'}); "
+        "it is refused because unpickling it could run code: use a checkpoint that fit wrote, from a source you trust"
+    )
+
 
 @dataclass
 class Found:
@@ -150,7 +186,8 @@ class Found:
 
 
 def inspect(path: Path) -> Found:
-    """Whether ``path`` is a complete lit_fsdp checkpoint (see the module docstring) and its manifest."""
+    """Whether ``path`` is a complete lit_fsdp checkpoint (see the module docstring) and its manifest; one that holds
+    what lit_fsdp never writes raises ``UntrustedCheckpointError``, which no caller may take for a broken save."""
     if path.is_dir():
         manifest_file = path / MANIFEST
         if not manifest_file.is_file():
@@ -161,21 +198,31 @@ def inspect(path: Path) -> Found:
             return Found(path, None, f"its {MANIFEST} cannot be read ({error})")
         for name, size in manifest.get("files", {}).items():
             file = path / name
+            if not _inside(file, path):
+                return Found(path, None, f"its {MANIFEST} names {name!r}, which is not a file inside the checkpoint")
             if not file.is_file():
                 return Found(path, None, f"{name} is missing")
             if file.stat().st_size != size:
                 return Found(path, None, f"{name} has {file.stat().st_size} bytes, the manifest says {size}")
+        if (path / METADATA_FILENAME).is_file():  # Lightning unpickles it on load: refused here first if it is not ours
+            load(path / METADATA_FILENAME, map_location="cpu", mmap=True)
         return Found(path, manifest, None)
     if path.is_file():
         try:
             zipfile.ZipFile(path).close()
-            manifest = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get(MANIFEST_KEY)
+            manifest = load(path, map_location="cpu", mmap=True).get(MANIFEST_KEY)
+        except UntrustedCheckpointError:
+            raise
         except Exception as error:  # noqa: BLE001 - any failure to read is "not a complete checkpoint"
             return Found(path, None, f"it cannot be read ({' '.join(str(error).split())[:120]})")
         if manifest is None:
             return Found(path, None, "it holds no lit_fsdp manifest (an older lit_fsdp or another program wrote it)")
         return Found(path, manifest, None)
     return Found(path, None, "it does not exist")
+
+
+def _inside(file: Path, folder: Path) -> bool:
+    return file.resolve().is_relative_to(folder.resolve())
 
 
 def candidates(folder: Path) -> list[Path]:

@@ -1,12 +1,14 @@
-"""``python -m lit_fsdp fit|validate|test|predict``: LightningCLI over CausalLM, our DataModules and our strategies."""
+"""``python -m lit_fsdp fit|validate``: LightningCLI over CausalLM, our DataModules and our strategies."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Union
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -19,6 +21,7 @@ from lit_fsdp import checkpoints
 from lit_fsdp.data.blocks import BlockDataModule, check_same_global_batch
 from lit_fsdp.ddp import DDPStrategy
 from lit_fsdp.errors import PeerLostError, lost_peer
+from lit_fsdp.help import PlainHelpFormatter
 from lit_fsdp.model import CausalLM
 from lit_fsdp.strategy import CausalLMStrategy
 from lit_fsdp.wandb_logger import CSVFallbackLogger, SaveConfig, WandbLogger, default_logger
@@ -48,11 +51,54 @@ warnings.filterwarnings(
 )
 
 
+#: LightningCLI's optimizer options: CausalLM.configure_optimizers decides what they would replace.
+REFUSED_OPTIMIZATION = ("optimizer", "lr_scheduler")
+OWN_OPTIMIZATION = (
+    "CausalLM builds AdamW (no weight decay on biases and norms) with a warm-up + cosine schedule, the strategy "
+    "replaces it where a compression method needs its own (1-bit Adam, 0/1 Adam) and SlideFSDP runs it on the CPU; set "
+    "--model.learning_rate, --model.weight_decay, --model.betas, --model.warmup_steps and --model.min_lr_ratio instead"
+)
+
+
+class PlainParser(LightningArgumentParser):
+    """LightningCLI's parser, its help in plain text: ``--trainer.strategy.help CLASS`` builds a parser of this class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", PlainHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 class LitFsdpCLI(LightningCLI):
     """LightningCLI with our defaults and checks that run before any worker process starts."""
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """fit and validate: test and predict are not offered (``lit_fsdp.__main__.NOT_OFFERED`` says why)."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults({"data": {"class_path": "lit_fsdp.data.synthetic.SyntheticDataModule"}})
+        # Taken (and refused in one line) rather than left out, so that a config naming them is told why.
+        for name in REFUSED_OPTIMIZATION:
+            parser.add_argument(f"--{name}", type=Optional[Union[str, dict]], default=None,
+                                help=f"not supported: {OWN_OPTIMIZATION}")
+
+    def before_instantiate_classes(self) -> None:
+        """Refuse --optimizer and --lr_scheduler, from the command line or a config, before anything is built."""
+        for name in REFUSED_OPTIMIZATION:
+            given = self._get(self.config, name)
+            if given is not None:
+                shown = given.get("class_path", given) if isinstance(given, dict) else given
+                raise ValueError(f"--{name} {shown} is not supported: {OWN_OPTIMIZATION}")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        # LightningCLI reads a --ckpt_path file's hyperparameters next, before our preflight: a file that is not a
+        # checkpoint of ours must be refused first, in our one line (checkpoints.load).
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            checkpoints.inspect(Path(ckpt_path))
 
     def _preflight(self) -> None:
         strategy = self.trainer.strategy
@@ -106,13 +152,19 @@ class LitFsdpCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, with our progress bar (short names, no ``Epoch 2/-2``) unless it is off or one is configured."""
         config = self._get(self.config_init, "trainer", default={})
+        accelerator = config.get("accelerator")
+        if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # Lightning's own answer is a traceback
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+            raise ValueError(f"--trainer.accelerator {accelerator} but torch sees no CUDA device (torch "
+                             f"{torch.__version__}, built with {build}); use --trainer.accelerator cpu, or run on a "
+                             "machine with an NVIDIA GPU and a CUDA build of torch")
         callbacks = config.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             kwargs.setdefault("callbacks", [*callbacks, progress_bar()])
         return super().instantiate_trainer(**kwargs)
 
-    before_fit = before_validate = before_test = before_predict = _preflight
+    before_fit = before_validate = _preflight
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
@@ -137,6 +189,9 @@ def run(args: list[str] | None = None, cli_class: type[LitFsdpCLI] = LitFsdpCLI,
         seed_everything_default=1234,
         save_config_callback=SaveConfig,
         save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+        # Lightning 2.5.0 takes no parser_class (Lightning-AI/pytorch-lightning#20596): its help keeps the backticks.
+        **({"parser_class": PlainParser} if "parser_class" in inspect.signature(LightningCLI).parameters else {}),
         args=args,
         **cli_options,
     )

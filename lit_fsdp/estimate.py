@@ -14,6 +14,7 @@ overlaps them: a bound, not a measurement.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -25,6 +26,7 @@ import torch
 
 from lit_fsdp.cli import LitFsdpCLI, run as parse_fit
 from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
+from lit_fsdp.help import plain
 from lit_fsdp.tune.command import default_candidate, parse_options, run_shape, split_arguments
 from lit_fsdp.tune.hardware import Hardware, detect, load
 from lit_fsdp.tune.memory import GIB, ModelShape, compute_dtype, estimate as device_estimate
@@ -82,7 +84,21 @@ def parse(fit_args: Sequence[str], hardware: Hardware | None = None) -> tuple[Ru
     trainer = RunTrainer(num_nodes=config.num_nodes or 1, num_devices=devices,
                          accumulate_grad_batches=config.accumulate_grad_batches or 1,
                          gradient_clip_val=config.gradient_clip_val, strategy=strategy, hardware=hardware)
+    check_compression(trainer)
     return trainer, cli.model, cli.datamodule
+
+
+def check_compression(trainer: RunTrainer) -> None:
+    """The compression settings' checks fit makes before launch (``FSDP2Strategy.preflight``'s): an estimate of a run
+    that cannot start is refused as the run would be."""
+    strategy = trainer.strategy
+    compression = getattr(strategy, "compression", None)
+    if compression is None:
+        return
+    compression.build(rank=0)
+    compression.param_codec()
+    shape = strategy.mesh_shape(trainer.num_nodes * trainer.num_devices, trainer.num_nodes)
+    compression.check_replicas(shape[0] if len(shape) == 2 else 1)
 
 
 def _ring(nbytes: float, ranks: int) -> float:
@@ -291,10 +307,25 @@ def report(figures: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def usage() -> argparse.ArgumentParser:
+    """``estimate --help``: its own options, and where fit's are (every other argument is fit's)."""
+    parser = argparse.ArgumentParser(prog="lit_fsdp estimate", description=plain(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Every other argument is fit's (--config FILE, --trainer.devices 2, ...): "
+                                            "python -m lit_fsdp fit --help lists them.")
+    parser.add_argument("--tune.hardware", metavar="FILE", help="hardware JSON file, the format python -m lit_fsdp "
+                        "hardware prints (default: this machine, detected)")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    return parser
+
+
 def main(argv: Sequence[str]) -> None:
     """``estimate``'s command line: fit's configs, ``--tune.hardware FILE`` and ``--json``."""
     as_json = "--json" in argv
     tune_args, fit_args = split_arguments([arg for arg in argv if arg != "--json"])
+    if {"-h", "--help"} & set(fit_args):
+        usage().print_help()
+        return
     options = parse_options(tune_args)
     trainer, module, data = parse(fit_args, load(options.hardware) if options.hardware else None)
     figures = estimate_step(trainer, module, data, trainer.hardware)

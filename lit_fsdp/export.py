@@ -8,14 +8,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from lit_fsdp import checkpoints
+from lit_fsdp.data.tokenizer import tokenizer_from_files
+from lit_fsdp.errors import OneLineError
+from lit_fsdp.lightning_compat import METADATA_FILENAME as _METADATA_FILENAME
 
 _MODEL_PREFIX = "model."  # CausalLM keeps the network in `self.model`
 
 
 def read_metadata(checkpoint: Path) -> dict[str, Any]:
-    """Everything but the weights: loop state, hyperparameters, ``hf_config``, ``tokenizer_path``, ``seq_len``."""
+    """Everything but the weights: loop state, hyperparameters, ``hf_config``, ``tokenizer_files``, ``seq_len``."""
     if not checkpoint.exists():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist; give a .ckpt file or folder written by fit")
     file = checkpoint / _METADATA_FILENAME if checkpoint.is_dir() else checkpoint
@@ -25,7 +29,7 @@ def read_metadata(checkpoint: Path) -> dict[str, Any]:
         )
     try:
         # Memory-mapped: a full-file checkpoint's weights are not read just to get at its metadata.
-        meta = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+        meta = checkpoints.load(file, map_location="cpu", mmap=True)
     except (pickle.UnpicklingError, EOFError, RuntimeError) as error:
         reason = " ".join(str(error).split()) or type(error).__name__
         raise ValueError(f"{file} is not a checkpoint written by fit: torch.load failed ({reason})") from None
@@ -45,10 +49,23 @@ def load_weights(checkpoint: Path, model: torch.nn.Module) -> None:
         state = {"state_dict": {_MODEL_PREFIX + k: v for k, v in model.state_dict().items()}}
         with warnings.catch_warnings():  # loading in one process is the intent here, not a fallback
             warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
-            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+            try:
+                dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+            except dcp.CheckpointException as error:  # a BaseException, whose text is every rank's traceback
+                raise OneLineError(f"checkpoint {checkpoint} cannot be read: {_shard_failure(error)}; copy the whole "
+                                   "folder again from where fit wrote it, or use another of the run's checkpoints") from error
         return
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    saved = checkpoints.load(checkpoint, map_location="cpu", mmap=True)["state_dict"]
     model.load_state_dict({k[len(_MODEL_PREFIX) :]: v for k, v in saved.items() if k.startswith(_MODEL_PREFIX)})
+
+
+def _shard_failure(error: Any) -> str:
+    """What went wrong in reading a sharded checkpoint: a file that is not there, or the first rank's error."""
+    cause = next(iter(error.failures.values()))[0] if error.failures else error
+    if isinstance(cause, FileNotFoundError) and cause.filename:
+        return f"its file {Path(cause.filename).name} is missing"
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
 
 
 def model_from_checkpoint(checkpoint: Path, meta: dict[str, Any]) -> PreTrainedModel:
@@ -68,11 +85,16 @@ def export_hf(checkpoint: str, output: str, tokenizer_path: str | None = None) -
     """
     source = Path(checkpoint)
     meta = read_metadata(source)
-    model = model_from_checkpoint(source, meta)
     out = Path(output)
+    if out.exists() and not out.is_dir():  # save_pretrained would only log that, and write nothing
+        raise ValueError(f"{out} is a file; give the folder to write the Hugging Face model into (new or existing)")
+    model = model_from_checkpoint(source, meta)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer_path = tokenizer_path or meta.get("tokenizer_path")
-    if tokenizer_path and Path(tokenizer_path).is_dir():
-        AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(out)
+    if tokenizer_path is None and meta.get("tokenizer_files"):
+        tokenizer_from_files(meta["tokenizer_files"], source).save_pretrained(out)
+    else:
+        tokenizer_path = tokenizer_path or meta.get("tokenizer_path")  # an older checkpoint's tokenizer folder
+        if tokenizer_path and Path(tokenizer_path).is_dir():
+            AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(out)
     print(f"exported {source} to {out}")
     return out

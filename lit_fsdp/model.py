@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from lit_fsdp.data.tokenizer import tokenizer_files
+from lit_fsdp.errors import OneLineError
 from lit_fsdp.loss import LossHead
 from lit_fsdp.presets import build_config
 from lit_fsdp.weights import init_by_unit, load_by_shard, parameters_on_meta
@@ -54,13 +57,13 @@ class CausalLM(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self._logged_nonfinite_steps: int | None = None
-        if pretrained_path is not None:
-            if not (Path(pretrained_path) / "config.json").is_file():
-                raise FileNotFoundError(
-                    f"--model.pretrained_path {pretrained_path} has no config.json; give a folder written by save_pretrained"
-                )
-        else:
-            build_config(preset, config_overrides)  # fail on an unknown preset before any process starts
+        # An unknown preset, an unreadable config.json or a bad override fails here, before any process starts.
+        check_overrides(pretrained_config(pretrained_path) if pretrained_path else build_config(preset), config_overrides)
+        try:
+            self.hf_config()
+        except Exception as error:  # transformers' own validation (strict dataclasses in 5.x) raises its own types
+            raise OneLineError(f"--model.config_overrides {config_overrides} is refused by the model's config: "
+                               f"{_first_line(error)}; fix or remove that field") from error
         if loss_chunk_tokens < 0:
             raise ValueError(f"--model.loss_chunk_tokens is {loss_chunk_tokens}; give a positive number of tokens, "
                              "or 0 for the plain loss")
@@ -184,10 +187,83 @@ class CausalLM(pl.LightningModule):
         # trained: used by `lit_fsdp export`, `generate` and `evaluate`.
         checkpoint["hf_config"] = self.model.config.to_dict()
         datamodule = getattr(self._trainer, "datamodule", None)
-        tokenizer_path = getattr(getattr(datamodule, "tokenizer", None), "name_or_path", None)
-        # Absolute, so that the checkpoint finds its tokenizer from any working directory.
-        checkpoint["tokenizer_path"] = str(Path(tokenizer_path).absolute()) if tokenizer_path else None
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        # The tokenizer itself, not its folder: the checkpoint finds it on any machine (older ones hold a "tokenizer_path").
+        checkpoint["tokenizer_files"] = None if tokenizer is None else tokenizer_files(tokenizer)
         checkpoint["seq_len"] = getattr(datamodule, "seq_len", None)
+        reopen_cut_epoch(checkpoint, self._trainer)
+
+
+def reopen_cut_epoch(checkpoint: dict[str, Any], trainer: Any) -> None:
+    """Make a checkpoint written after ``max_steps`` (or ``should_stop``) ended an epoch early resume inside that epoch.
+
+    Lightning counts such an epoch as finished before ``ModelCheckpoint`` writes ``last`` at the end of training: a
+    run extended from it (a larger ``max_steps``) started the next epoch, reshuffled, and never saw the rest of this
+    one. The loops' counters go back to where a checkpoint written at that batch's end has them (epoch started, not
+    processed; batch not completed; one batch fewer stepped), as our data modules' position already says.
+    """
+    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}  # Lightning 2.x's layout; another is left as it is
+    epochs, batches, stepped = (loop.get(key) for key in ("epoch_progress", "epoch_loop.batch_progress",
+                                                          "epoch_loop.state_dict"))
+    if trainer is None or not (epochs and batches and stepped and "_batches_that_stepped" in stepped):
+        return
+    epoch, batch = epochs["current"], batches["current"]
+    ended = epoch["ready"] == epoch["started"] == epoch["processed"] and epoch["completed"] >= epoch["processed"] - 1
+    last_batch_done = batch["ready"] == batch["started"] == batch["processed"] == batch["completed"]
+    cut = batch["ready"] < trainer.num_training_batches and not batches["is_last_batch"]
+    if not (ended and last_batch_done and cut and batch["ready"] > 0):
+        return
+    undone = {"processed": 1, "completed": epoch["completed"] - (epoch["processed"] - 1)}
+    for counts in epochs.values():
+        for key, by in undone.items():
+            counts[key] -= by
+    for counts in (batches["current"], batches["total"]):
+        counts["completed"] -= 1
+    stepped["_batches_that_stepped"] -= 1
+    checkpoint["epoch"] = epoch["completed"]
+
+
+def pretrained_config(path: str) -> PretrainedConfig:
+    """The Hugging Face config of the folder ``--model.pretrained_path`` names, or a one-line error saying what is wrong."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"--model.pretrained_path {path} has no config.json; give a folder written by save_pretrained")
+    try:
+        json.loads(file.read_text())
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise OneLineError(f"--model.pretrained_path {path}: {file} is not valid JSON ({error}), e.g. cut short by a "
+                           "copy; copy the folder again or write it with save_pretrained") from error
+    except (OSError, ValueError) as error:
+        raise OneLineError(f"--model.pretrained_path {path}: {file} is not a Hugging Face config ({_first_line(error)}); "
+                           "give a folder written by save_pretrained") from error
+
+
+def check_overrides(config: PretrainedConfig, overrides: dict[str, Any] | None) -> None:
+    """Refuse a ``--model.config_overrides`` value of another type than ``config``'s own for that field: transformers
+    4.x takes ``{n_layer: six}`` and fails while building the network; a float where an int belongs fails in torch."""
+    for key, value in (overrides or {}).items():
+        default = getattr(config, key, None)
+        if isinstance(default, bool):
+            expected = (bool,)
+        elif isinstance(default, int):
+            expected = (int,)
+        elif isinstance(default, float):
+            expected = (int, float)
+        elif isinstance(default, str):
+            expected = (str,)
+        else:  # unset, a list or a dict: left to the config's own checks
+            continue
+        if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+            raise OneLineError(
+                f"--model.config_overrides {key}={value!r}: the {config.model_type} config's {key} takes "
+                f"{type(default).__name__} values, not {type(value).__name__}; give e.g. {{{key}: {json.dumps(default)}}}"
+            )
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else type(error).__name__)
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -150,5 +150,7 @@ class AtomicCheckpoints:
             raise checkpoints.CheckpointError(f"checkpoint {path} cannot be loaded: {found.problem}")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Verified (complete, nothing but tensors and plain values), then read with ``weights_only=True`` whatever
+        ``fit(weights_only=...)`` asked: a checkpoint never needs more (``checkpoints.load``)."""
         self.verify_checkpoint(Path(self.broadcast(str(checkpoint_path))))
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        return super().load_checkpoint(checkpoint_path, True)

@@ -19,8 +19,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _set_num_threads_if_needed
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
@@ -30,6 +28,9 @@ from torch.distributed.fsdp import FSDPModule
 from compress.config import CompressionConfig
 from compress.hook import GradientCompression
 from compress.torch_compat import bf16_native
+from lit_fsdp.lightning_compat import default_process_group_backend as _get_default_process_group_backend_for_device
+from lit_fsdp.lightning_compat import optimizers_to_device as _optimizers_to_device
+from lit_fsdp.lightning_compat import set_num_threads_if_needed as _set_num_threads_if_needed
 from lit_fsdp.parallelize import ShardingPlan, parallelize
 from lit_fsdp.reliability import AtomicCheckpoints, NonFiniteGuard, OnNonFinite
 from lit_fsdp.weights import materialize

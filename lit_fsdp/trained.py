@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from lit_fsdp.data.tokenizer import load_tokenizer
+from lit_fsdp.data.tokenizer import load_tokenizer, tokenizer_from_files
 from lit_fsdp.export import model_from_checkpoint, read_metadata
+from lit_fsdp.lightning_compat import METADATA_FILENAME as _METADATA_FILENAME
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -86,12 +86,15 @@ def load_trained(path: str, device: str = "auto", dtype: DType = "float32", toke
                 f"a folder with {_METADATA_FILENAME}) nor a Hugging Face folder (with config.json)"
             )
         meta = read_metadata(source)
-        recorded = meta.get("tokenizer_path")
+        recorded = meta.get("tokenizer_path")  # an older checkpoint's: a folder on the machine that wrote it
         missing = (
             f"{source} was trained on token ids without a tokenizer (like the quickstart's synthetic data), so it cannot "
             "read or write text; train on text (--config configs/wikipedia.yaml) or pass --tokenizer_path"
         )
-    tokenizer = load_tokenizer(_tokenizer_folder(tokenizer_path or recorded, missing, source))
+    if tokenizer_path is None and meta.get("tokenizer_files"):
+        tokenizer = tokenizer_from_files(meta["tokenizer_files"], source)
+    else:
+        tokenizer = load_tokenizer(_tokenizer_folder(tokenizer_path or recorded, missing, source))
     # The weights are read last, once everything else is known to be there.
     if hugging_face:
         hf_logging.disable_progress_bar()  # its bar would interleave with the generated text; a local load is quick

@@ -149,6 +149,9 @@ def load_by_shard(model: nn.Module, folder: str | Path) -> None:
                 raise ValueError(f"{folder} has no weight for parameter {key!r}; is it the same architecture?")
             file = weight_map[key]
             if file not in handles:
+                if not (folder / file).resolve().is_relative_to(folder.resolve()):
+                    raise ValueError(f"{index_file} maps {key!r} to {file!r}, which is not a file inside {folder}; "
+                                     "use the index that save_pretrained wrote with the weights")
                 handles[file] = safe_open(str(folder / file), framework="pt")
             tensor_slice = handles[file].get_slice(key)  # type: ignore[attr-defined]
             local = param.to_local() if isinstance(param, DTensor) else param

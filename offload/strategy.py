@@ -20,14 +20,15 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from lit_fsdp import checkpoints
 from lit_fsdp.layout import build_layouts
+from lit_fsdp.lightning_compat import METADATA_FILENAME as _METADATA_FILENAME
+from lit_fsdp.lightning_compat import is_sharded_checkpoint as _is_sharded_checkpoint
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import OnNonFinite
 from lit_fsdp.strategy import CausalLMStrategy, DType
@@ -547,7 +548,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         if fitting:
             HostStateDict.restore_groups(self.adam, state["optimizer_0"])
         self.refresh_staging()
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return checkpoints.load(path / _METADATA_FILENAME)
 
     def teardown(self) -> None:
         if self.adam is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,6 +31,26 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
             "so use a tokenizer that defines one"
         )
     return tokenizer
+
+
+def tokenizer_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, bytes]:
+    """The files ``save_pretrained`` writes for ``tokenizer``, by name: a checkpoint carries them, as a path to them
+    would not survive a move to another machine."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        return {file.name: file.read_bytes() for file in sorted(Path(folder).iterdir()) if file.is_file()}
+
+
+def tokenizer_from_files(files: dict[str, bytes], source: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer whose ``tokenizer_files`` the checkpoint ``source`` holds."""
+    with tempfile.TemporaryDirectory() as folder:
+        for name, content in files.items():
+            # a name read from a file must not lead out of the folder
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+                raise ValueError(f"{source} holds a tokenizer file named {name!r}, not a plain file name; "
+                                 "it was not written by lit_fsdp: pass --tokenizer_path")
+            (Path(folder) / name).write_bytes(content)
+        return load_tokenizer(folder)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:

@@ -24,6 +24,7 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 from compress.config import CompressionConfig
 from lit_fsdp.tune.coder import Coder
 from lit_fsdp.tune.controller import Budget, Controller, Search
+from lit_fsdp.help import PlainHelpFormatter
 from lit_fsdp.tune.hardware import Hardware, detect, load
 from lit_fsdp.tune.llm import LLMAdviser, LLMOptions
 from lit_fsdp.tune.memory import MemoryFilter, ModelShape
@@ -88,7 +89,7 @@ def split_arguments(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def parser() -> ArgumentParser:
     parser = ArgumentParser(
-        prog="lit_fsdp tune", description=__doc__.split("\n\n")[0], exit_on_error=False,
+        prog="lit_fsdp tune", description=__doc__.split("\n\n")[0], exit_on_error=False, formatter_class=PlainHelpFormatter,
         epilog="Every argument that is not --tune.* is fit's (--config FILE, --trainer.devices 2, ...).",
     )
     # The options' help is their attribute docstrings; the setting is global and slows other parsers: only here.

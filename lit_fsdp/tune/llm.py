@@ -2,11 +2,13 @@
 endpoint, which answers with candidate knobs as JSON.
 
 Nothing is sent unless ``--tune.llm.base_url`` is set. The request is ``POST <base_url>/chat/completions``
-with ``{"model", "messages", "temperature": 0}`` and, when the environment variable ``api_key_env`` names
-a key, ``Authorization: Bearer <key>``; the answer is read from ``choices[0].message.content``, which
-must hold ``{"candidates": [{knob: value, ...}, ...]}`` (a fenced JSON block is accepted). Each
-candidate is the best trial's knobs with the given ones changed, and goes through the same checks as
-the rules' proposals; an unreachable endpoint, a timeout or an answer that is not that JSON raises
+with ``{"model", "messages", "temperature": 0}`` and, only when the user names the environment variable
+that holds it (``--tune.llm.api_key_env``: no variable is read by default), ``Authorization: Bearer <key>``,
+which is not forwarded on a redirect. Plain http is refused except to this machine (localhost, 127.0.0.1,
+::1): the situation and the key would cross the network unencrypted. The answer is read from
+``choices[0].message.content``, which must hold ``{"candidates": [{knob: value, ...}, ...]}`` (a fenced JSON
+block is accepted). Each candidate is the best trial's knobs with the given ones changed, and goes through
+the same checks as the rules' proposals; an unreachable endpoint, a timeout or an answer that is not that JSON raises
 ``AdviserError`` and the search goes on with the rules alone.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +30,10 @@ SYSTEM_PROMPT = (
 )
 
 
+#: the hosts plain http may go to: this machine
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
 @dataclass
 class LLMOptions:
     """An OpenAI-compatible chat-completions endpoint asked for candidates before the rules'; off unless ``base_url`` is set."""
@@ -35,8 +42,8 @@ class LLMOptions:
     """e.g. http://localhost:8000/v1: requests go to <base_url>/chat/completions; nothing is sent without it"""
     model: str | None = None
     """the model name the endpoint serves"""
-    api_key_env: str = "OPENAI_API_KEY"
-    """environment variable with the API key, sent as a Bearer token when it is set"""
+    api_key_env: str | None = None
+    """environment variable that holds the API key, sent as a Bearer token (default: none; no key is sent)"""
     timeout_s: float = 60.0
     """seconds to wait for an answer before going on with the rules"""
     max_candidates: int = 3
@@ -47,6 +54,15 @@ class LLMOptions:
             raise ValueError("--tune.llm.base_url and --tune.llm.model go together: give both or neither")
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"--tune.llm.base_url {self.base_url!r} is not an http(s) URL")
+        if self.base_url is not None and self.base_url.startswith("http://"):
+            host = urllib.parse.urlsplit(self.base_url).hostname
+            if host not in LOCAL_HOSTS:
+                raise ValueError(f"--tune.llm.base_url {self.base_url!r} is plain http to {host}: the run's details and any "
+                                 f"key would cross the network unencrypted; use https://, or http:// to "
+                                 f"{', '.join(LOCAL_HOSTS)} only")
+        if self.base_url is not None and self.api_key_env is not None and not os.environ.get(self.api_key_env):
+            raise ValueError(f"--tune.llm.api_key_env {self.api_key_env}: that environment variable is not set or empty; "
+                             "set it to the key, or leave api_key_env out to send no key")
         if self.timeout_s <= 0 or self.max_candidates < 1:
             raise ValueError("--tune.llm.timeout_s must be > 0 and --tune.llm.max_candidates >= 1")
 
@@ -85,12 +101,12 @@ class LLMAdviser:
 
     def propose(self, situation: dict[str, Any]) -> list[dict[str, Any]]:
         """Knob changes for the next trials, from ``situation`` (hardware, model, space, history, diagnosis)."""
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.options.api_key_env)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
         url = self.options.base_url.rstrip("/") + "/chat/completions"
-        request = urllib.request.Request(url, data=self.request(situation), headers=headers, method="POST")
+        request = urllib.request.Request(url, data=self.request(situation), headers={"Content-Type": "application/json"},
+                                         method="POST")
+        key = os.environ.get(self.options.api_key_env) if self.options.api_key_env else None
+        if key:  # unredirected: urllib copies other headers to wherever a redirect points
+            request.add_unredirected_header("Authorization", f"Bearer {key}")
         try:
             with urllib.request.urlopen(request, timeout=self.options.timeout_s) as response:
                 body = json.loads(response.read())

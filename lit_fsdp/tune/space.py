@@ -9,8 +9,9 @@ with the candidate's knobs), ``data.init_args.batch_size`` (the micro-batch) and
 from __future__ import annotations
 
 import json
+import types
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from compress.config import METHODS, CompressionConfig
 from lit_fsdp.strategy import DType, Sharding
@@ -83,11 +84,17 @@ class Candidate:
         return " ".join(diff) or "same"
 
     def with_knobs(self, knobs: dict[str, Any]) -> Candidate:
-        """This candidate with ``knobs`` changed; an unknown knob name raises ValueError."""
+        """This candidate with ``knobs`` changed; an unknown knob name or a value of the wrong type (``2.0`` for an
+        integer, ``"true"`` for a flag, a strategy that does not exist) raises ValueError naming what is accepted."""
         names = [f.name for f in fields(Candidate)]
         unknown = sorted(set(knobs) - set(names))
         if unknown:
             raise ValueError(f"unknown knob {unknown[0]!r}; knobs: {', '.join(names)}")
+        for name, value in knobs.items():
+            # A string outside a knob's options is left to the space's check (``outside``), which names the values
+            # allowed in this search, except a strategy's name: it decides which knobs the candidate has.
+            if not _accepts(_KNOB_TYPES[name], value, options=name == "strategy"):
+                raise ValueError(f"{name}={value!r} is not accepted: {name} takes {_accepted(_KNOB_TYPES[name])}")
         changed = replace(self, **knobs)
         if changed.sharding != "HYBRID_SHARD":  # replicate_size means nothing without replicas
             changed = replace(changed, replicate_size=None)
@@ -124,6 +131,31 @@ class Candidate:
 
 def _all(alias: Any) -> list:
     return list(alias.__args__)
+
+
+_KNOB_TYPES = get_type_hints(Candidate)
+
+
+def _accepts(hint: Any, value: Any, options: bool = False) -> bool:
+    """Whether ``value`` has the type ``hint`` exactly: True is not an integer, 2.0 is not 2 (JSON answers carry both).
+    A Literal's value needs the options' type, and to be one of them with ``options``."""
+    if get_origin(hint) is Literal:
+        return any(type(value) is type(option) and (value == option or not options) for option in get_args(hint))
+    if get_origin(hint) in (Union, types.UnionType):
+        return any(_accepts(option, value, options) for option in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return type(value) is int
+    return isinstance(value, hint)
+
+
+def _accepted(hint: Any) -> str:
+    if get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(option) for option in get_args(hint))
+    if get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_accepted(option) for option in get_args(hint))
+    return {int: "an integer", bool: "true or false", str: "a string", type(None): "null"}.get(hint, hint.__name__)
 
 
 @dataclass

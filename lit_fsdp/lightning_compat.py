@@ -1,0 +1,35 @@
+"""Every private Lightning API lit_fsdp uses, in one place (``compress/torch_compat.py`` is torch's).
+
+Lightning's underscored names are not part of its API and move or change between minor releases; the rest
+of the project imports them from here under public names, so a new Lightning release is checked, and if need
+be adapted, in this module alone. ``tests/test_torch_compat.py`` pins what each name must provide and that
+nothing else imports a private Lightning name; ``pyproject.toml`` admits Lightning up to the newest minor tested.
+"""
+
+from __future__ import annotations
+
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _set_num_threads_if_needed
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+#: the newest Lightning minor release CI runs (pyproject.toml caps lightning below the next one)
+LIGHTNING_NEWEST_TESTED = (2, 6)
+
+#: the file of a sharded checkpoint folder that holds everything but the sharded tensors (ModelParallelStrategy
+#: writes and reads it under this name)
+METADATA_FILENAME: str = _METADATA_FILENAME
+#: whether a path is a folder of checkpoint shards as ModelParallelStrategy writes them (it holds METADATA_FILENAME)
+is_sharded_checkpoint = _is_sharded_checkpoint
+#: the process group backend Lightning picks for a device (``nccl`` for CUDA, ``gloo`` for the CPU)
+default_process_group_backend = _get_default_process_group_backend_for_device
+#: sets torch's and OMP's threads per process for ``num_processes`` processes, unless OMP_NUM_THREADS is set
+set_num_threads_if_needed = _set_num_threads_if_needed
+#: moves the state of each optimizer to a device
+optimizers_to_device = _optimizers_to_device
+#: whether ``rich`` is installed (a truthy RequirementCache), which RichProgressBar needs
+RICH_AVAILABLE = _RICH_AVAILABLE
+
+__all__ = ["LIGHTNING_NEWEST_TESTED", "METADATA_FILENAME", "is_sharded_checkpoint", "default_process_group_backend",
+           "set_num_threads_if_needed", "optimizers_to_device", "RICH_AVAILABLE"]

@@ -1,0 +1,115 @@
+"""Mistakes a new user makes before training end in one line naming the value and the fix (issue 27, items 3 and 4)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from transformers import AutoModelForCausalLM
+
+from lit_fsdp.__main__ import main
+from lit_fsdp.data.tokenizer import train_bpe
+from lit_fsdp.presets import build_config
+from tests.corpus import articles, write_lines
+from tests.helpers import FAST, REPO, run_cli
+
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+
+
+def one_error_line(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("lit_fsdp: error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        pytest.param(["--trainer.accelerator", "gpu"], "--trainer.accelerator gpu but torch sees no CUDA device",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")),
+        (["--model.config_overrides", "{n_layer: six}"], "--model.config_overrides n_layer='six'"),
+        (["--model.pretrained_path", "truncated"], "truncated/config.json is not valid JSON"),
+        (["--model.pretrained_path", "whole", "--model.config_overrides", "{n_layer: six}"],
+         "--model.config_overrides n_layer='six'"),
+        (["--optimizer", "torch.optim.SGD"], "--optimizer torch.optim.SGD is not supported"),
+        (["--lr_scheduler", "{class_path: torch.optim.lr_scheduler.StepLR, init_args: {step_size: 5}}"],
+         "--lr_scheduler torch.optim.lr_scheduler.StepLR is not supported"),
+        (["--config", "optimizer.yaml"], "--optimizer torch.optim.Adam is not supported"),
+    ],
+    ids=["gpu-without-cuda", "override-of-wrong-type", "truncated-config-json", "pretrained-override-of-wrong-type",
+         "optimizer", "lr-scheduler", "optimizer-in-a-config"],
+)
+def test_fit_refuses_in_one_line_before_training(tmp_path, args, message):
+    (tmp_path / "truncated").mkdir()
+    (tmp_path / "truncated" / "config.json").write_text('{"model_type": "gpt2", "n_')
+    build_config("gpt2-tiny").save_pretrained(tmp_path / "whole")
+    (tmp_path / "optimizer.yaml").write_text("optimizer:\n  class_path: torch.optim.Adam\n")
+    result = run_cli("fit", *FAST, "--trainer.devices", "1", "--trainer.max_steps", "1",
+                     "--trainer.default_root_dir", str(tmp_path / "run"), *args, cwd=tmp_path, check=False)
+    assert result.returncode == 2 and message in one_error_line(result.stderr), result.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+
+
+def test_a_traceback_is_shown_with_lit_fsdp_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIT_FSDP_TRACEBACK", "1")
+    result = run_cli("fit", *FAST, "--trainer.devices", "1", "--model.config_overrides", "{n_layer: six}",
+                     cwd=tmp_path, check=False)
+    assert result.returncode != 0 and "Traceback" in result.stderr and "n_layer" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["test", "predict"])
+def test_test_and_predict_say_what_to_use_instead(tmp_path, command):
+    result = run_cli(command, "--config", str(QUICKSTART), cwd=tmp_path, check=False)
+    line = one_error_line(result.stderr)
+    assert result.returncode == 2 and f"'{command}' is not offered" in line
+    assert all(alternative in line for alternative in ("validate", "evaluate", "generate")), line
+
+
+@pytest.fixture(scope="module")
+def missing_shard(tmp_path_factory) -> dict[str, Path]:
+    """A sharded checkpoint as fit writes it (meta.pt beside torch.distributed.checkpoint's files) whose shard is gone."""
+    root = tmp_path_factory.mktemp("missing_shard")
+    config = build_config("gpt2-tiny", {"vocab_size": 300})
+    model = AutoModelForCausalLM.from_config(config)
+    checkpoint = root / "last.ckpt"
+    with warnings.catch_warnings():  # saving in one process is the intent here
+        warnings.simplefilter("ignore")
+        dcp.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}},
+                 checkpoint_id=str(checkpoint), no_dist=True)
+    train_bpe([article["text"] for article in articles()], 300).save_pretrained(root / "tokenizer")
+    torch.save({"hf_config": config.to_dict(), "tokenizer_path": str(root / "tokenizer"), "seq_len": 32},
+               checkpoint / "meta.pt")
+    shards = list(checkpoint.glob("*.distcp"))
+    assert shards
+    for shard in shards:
+        shard.unlink()
+    return {"root": root, "checkpoint": checkpoint, "shard": shards[0], "valid": write_lines(root / "valid.jsonl", articles(3))}
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["export", "{checkpoint}", "{root}/hf"], ["generate", "{checkpoint}", "--prompt", "a"],
+     ["evaluate", "{checkpoint}", "--data.path", "{valid}", "--data.cache_dir", "{root}/cache"]],
+    ids=["export", "generate", "evaluate"],
+)
+def test_a_checkpoint_missing_a_shard_file_is_one_line(missing_shard, capsys, command):
+    places = {key: str(value) for key, value in missing_shard.items()}
+    with pytest.raises(SystemExit) as exit_info:
+        main([part.format(**places) for part in command])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(errors) == 1, errors
+    line = errors[0]
+    assert line.startswith("lit_fsdp: error: ") and str(missing_shard["checkpoint"]) in line
+    assert f"its file {missing_shard['shard'].name} is missing" in line and "copy the whole folder" in line, line
+
+
+def test_estimate_validates_the_compression_settings_as_fit_does(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--config", str(QUICKSTART), "--trainer.strategy.init_args.compression",
+              "{method: topk, ratio: 2}"])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(errors) == 1 and "ratio=2.0 is not a fraction in (0, 1]" in errors[0], errors
