@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from lit_fsdp.data.tokenizer import tokenizer_files
 from lit_fsdp.errors import OneLineError
+from lit_fsdp.lightning_compat import reopen_cut_epoch
 from lit_fsdp.loss import LossHead
 from lit_fsdp.presets import build_config
 from lit_fsdp.weights import init_by_unit, load_by_shard, parameters_on_meta
@@ -192,35 +193,6 @@ class CausalLM(pl.LightningModule):
         checkpoint["tokenizer_files"] = None if tokenizer is None else tokenizer_files(tokenizer)
         checkpoint["seq_len"] = getattr(datamodule, "seq_len", None)
         reopen_cut_epoch(checkpoint, self._trainer)
-
-
-def reopen_cut_epoch(checkpoint: dict[str, Any], trainer: Any) -> None:
-    """Make a checkpoint written after ``max_steps`` (or ``should_stop``) ended an epoch early resume inside that epoch.
-
-    Lightning counts such an epoch as finished before ``ModelCheckpoint`` writes ``last`` at the end of training: a
-    run extended from it (a larger ``max_steps``) started the next epoch, reshuffled, and never saw the rest of this
-    one. The loops' counters go back to where a checkpoint written at that batch's end has them (epoch started, not
-    processed; batch not completed; one batch fewer stepped), as our data modules' position already says.
-    """
-    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}  # Lightning 2.x's layout; another is left as it is
-    epochs, batches, stepped = (loop.get(key) for key in ("epoch_progress", "epoch_loop.batch_progress",
-                                                          "epoch_loop.state_dict"))
-    if trainer is None or not (epochs and batches and stepped and "_batches_that_stepped" in stepped):
-        return
-    epoch, batch = epochs["current"], batches["current"]
-    ended = epoch["ready"] == epoch["started"] == epoch["processed"] and epoch["completed"] >= epoch["processed"] - 1
-    last_batch_done = batch["ready"] == batch["started"] == batch["processed"] == batch["completed"]
-    cut = batch["ready"] < trainer.num_training_batches and not batches["is_last_batch"]
-    if not (ended and last_batch_done and cut and batch["ready"] > 0):
-        return
-    undone = {"processed": 1, "completed": epoch["completed"] - (epoch["processed"] - 1)}
-    for counts in epochs.values():
-        for key, by in undone.items():
-            counts[key] -= by
-    for counts in (batches["current"], batches["total"]):
-        counts["completed"] -= 1
-    stepped["_batches_that_stepped"] -= 1
-    checkpoint["epoch"] = epoch["completed"]
 
 
 def pretrained_config(path: str) -> PretrainedConfig:

@@ -491,7 +491,7 @@ def step_bench_offload(record: Record, device: str, work: Path) -> None:
     gpu = ["--accelerator", "gpu", "--devices", "1", "--param-dtype", "bfloat16", "--presets", "llama-1b",
            "--seq-len", "2048", "--batch-size", "8", "--steps", "12"]
     cpu = ["--devices", "1", "--presets", "gpt2-tiny", "--seq-len", "64", "--batch-size", "2", "--steps", "3", "--warmup", "1",
-           "--strategies", "fsdp2", "slide_fsdp"]
+           "--strategies", "slide_fsdp"]
     _command("bench_offload", [sys.executable, "scripts/bench_offload.py", *(gpu if device == "cuda" else cpu),
                                "--repeats", "1", "--out", str(work / "bench_offload")], work, record)
     record.put(table=(work / "bench_offload" / "table.md").read_text().splitlines())
@@ -519,7 +519,7 @@ def step_tune(record: Record, device: str, work: Path) -> None:
     """``tune`` with 4 trials on the device (its memory filter and trial runner on a real GPU)."""
     configs = ["--config", "configs/quickstart.yaml"] + (["--config", "configs/llama_1b.yaml", "--trainer.devices", "1"]
                                                          if device == "cuda" else ["--trainer.devices", "1"])
-    trials = "4" if device == "cuda" else "2"
+    trials = "4" if device == "cuda" else "1"
     lines = _command("tune", [sys.executable, "-m", "lit_fsdp", "tune", *configs, "--tune.trials", trials,
                               "--tune.out", str(work / "tune")], work, record)
     record.put(report=lines[-30:])

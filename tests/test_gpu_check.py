@@ -34,6 +34,7 @@ def test_every_step_runs_in_cpu_mode_and_leaves_its_records(tmp_path):
     hardware = load(out / "hardware.json")  # the probe's rates in the --tune.hardware format
     assert hardware.accelerator == "cpu" and hardware.host_memory_gbps > 0
     assert done.stdout.splitlines()[-len(records) - 1].startswith("step")  # the table comes last
+    assert done.stdout.startswith("versions: torch ")  # every version first (issue 26: the GPU machine's differ)
 
 
 def test_a_step_past_its_deadline_is_reported_with_what_it_recorded_and_the_next_one_runs(tmp_path):
