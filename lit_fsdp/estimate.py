@@ -27,6 +27,7 @@ import torch
 from lit_fsdp.cli import LitFsdpCLI, run as parse_fit
 from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
 from lit_fsdp.help import plain
+from lit_fsdp.strategy import CausalLMStrategy
 from lit_fsdp.tune.command import default_candidate, parse_options, run_shape, split_arguments
 from lit_fsdp.tune.hardware import Hardware, detect, load
 from lit_fsdp.tune.memory import GIB, ModelShape, compute_dtype, estimate as device_estimate
@@ -71,7 +72,7 @@ def parse(fit_args: Sequence[str], hardware: Hardware | None = None) -> tuple[Ru
         cli = parse_fit(list(fit_args), run=False, cli_class=_ConfigOnly)
     config = cli._get(cli.config_init, "trainer")
     strategy = config.strategy
-    if isinstance(strategy, str) or strategy is None:
+    if not isinstance(strategy, CausalLMStrategy):
         raise ValueError(f"--trainer.strategy is {strategy!r}; estimate needs lit_fsdp.strategy.FSDP2Strategy or "
                          "offload.SlideFSDPStrategy (a class_path with init_args)")
     trains_on = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(str(config.accelerator))
@@ -84,21 +85,8 @@ def parse(fit_args: Sequence[str], hardware: Hardware | None = None) -> tuple[Ru
     trainer = RunTrainer(num_nodes=config.num_nodes or 1, num_devices=devices,
                          accumulate_grad_batches=config.accumulate_grad_batches or 1,
                          gradient_clip_val=config.gradient_clip_val, strategy=strategy, hardware=hardware)
-    check_compression(trainer)
+    strategy.check_compression(trainer)
     return trainer, cli.model, cli.datamodule
-
-
-def check_compression(trainer: RunTrainer) -> None:
-    """The compression settings' checks fit makes before launch (``FSDP2Strategy.preflight``'s): an estimate of a run
-    that cannot start is refused as the run would be."""
-    strategy = trainer.strategy
-    compression = getattr(strategy, "compression", None)
-    if compression is None:
-        return
-    compression.build(rank=0)
-    compression.param_codec()
-    shape = strategy.mesh_shape(trainer.num_nodes * trainer.num_devices, trainer.num_nodes)
-    compression.check_replicas(shape[0] if len(shape) == 2 else 1)
 
 
 def _ring(nbytes: float, ranks: int) -> float:

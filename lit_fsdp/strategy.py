@@ -184,6 +184,9 @@ class CausalLMStrategy(NonFiniteGuard, AtomicCheckpoints, ModelParallelStrategy)
     def mesh_shape(self, world_size: int, num_nodes: int) -> tuple[int, ...]:
         """The device mesh: (shard,) or (replicate, shard); raises ValueError when it cannot be built."""
 
+    def check_compression(self, trainer: Any) -> None:
+        """Fail before launch on compression settings that cannot run here; a strategy without compression has none."""
+
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
         """Checks that need no process group, run by the CLI before Lightning starts the other processes."""
         self.mesh_shape(trainer.num_nodes * trainer.num_devices, trainer.num_nodes)
@@ -385,12 +388,16 @@ class FSDP2Strategy(CausalLMStrategy):
 
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
         super().preflight(trainer, module, datamodule)
+        self.check_compression(trainer)
+        self.check_device_memory(trainer, module)
+
+    def check_compression(self, trainer: Any) -> None:
+        """Unknown methods, out-of-range parameters, replicas a method cannot serve (fit's preflight and ``estimate``)."""
         if self.compression is not None:
             self.compression.build(rank=0)  # unknown method, out-of-range parameter: fail here
             self.compression.param_codec()
             shape = self.mesh_shape(trainer.num_nodes * trainer.num_devices, trainer.num_nodes)
             self.compression.check_replicas(shape[0] if len(shape) == 2 else 1)
-        self.check_device_memory(trainer, module)
 
     def check_device_memory(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """Fail before launch when the model states and the compression state cannot fit in this GPU (CPU: no check)."""
