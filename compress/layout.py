@@ -13,7 +13,7 @@ SlideFSDP moves at once. Its parameters are laid out two ways:
 
 Because a rank's piece of a parameter is whole rows, it is a rectangular chunk of the full tensor:
 checkpoints store it as a ``Shard(0)`` DTensor, in the same layout as FSDP2's. PowerSGD reads FSDP2's
-reduce-scatter buffer through a unit's layout; ``lit_fsdp.layout`` lays out a whole model for SlideFSDP.
+reduce-scatter buffer through a unit's layout; ``offload.layout`` lays out a whole model for SlideFSDP.
 """
 
 from __future__ import annotations

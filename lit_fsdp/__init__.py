@@ -1,11 +1,22 @@
-"""lit_fsdp: train Hugging Face causal LMs with PyTorch FSDP2 under Lightning."""
+"""lit_fsdp: train Hugging Face causal LMs with PyTorch FSDP2 under Lightning.
 
-from lightning.pytorch.strategies import StrategyRegistry
+Importing the package loads nothing heavy (no torch, no Lightning): ``python -m lit_fsdp --help`` and a mistyped
+option answer at once. ``FSDP2Strategy`` and ``DDPStrategy`` load on first use; importing their modules registers
+their names (``fsdp2``, ...) with Lightning's strategy registry.
+"""
 
-from lit_fsdp.ddp import DDPStrategy
-from lit_fsdp.strategy import FSDP2Strategy
+from __future__ import annotations
 
-FSDP2Strategy.register_strategies(StrategyRegistry)
-DDPStrategy.register_strategies(StrategyRegistry)
+from importlib import import_module
+from typing import Any
 
-__all__ = ["DDPStrategy", "FSDP2Strategy"]
+#: The public names and the modules that define them.
+EXPORTS = {"FSDP2Strategy": "lit_fsdp.strategy", "DDPStrategy": "lit_fsdp.ddp"}
+
+__all__ = list(EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in EXPORTS:
+        raise AttributeError(f"module 'lit_fsdp' has no attribute {name!r}")
+    return getattr(import_module(EXPORTS[name]), name)

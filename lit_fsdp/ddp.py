@@ -16,6 +16,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import AtomicCheckpoints, NonFiniteGuard, OnNonFinite
@@ -113,3 +114,8 @@ class DDPStrategy(NonFiniteGuard, AtomicCheckpoints, LightningDDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         # Not Lightning's: that would register this class under "ddp", "ddp_spawn", ...
         strategy_registry.register(cls.strategy_name, cls, description=f"{(cls.__doc__ or '').splitlines()[0]} (lit_fsdp)")
+
+
+# The name configs and Trainer(strategy=...) use, registered wherever the class is imported.
+if DDPStrategy.strategy_name not in StrategyRegistry:
+    DDPStrategy.register_strategies(StrategyRegistry)

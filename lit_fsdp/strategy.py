@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -501,3 +501,8 @@ class FSDP2Strategy(CausalLMStrategy):
         finally:
             for fsdp_module in self.fsdp_modules:
                 fsdp_module.set_requires_gradient_sync(True, recurse=False)
+
+
+# The name configs and Trainer(strategy=...) use, registered wherever the class is imported.
+if FSDP2Strategy.strategy_name not in StrategyRegistry:
+    FSDP2Strategy.register_strategies(StrategyRegistry)

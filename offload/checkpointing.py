@@ -14,21 +14,31 @@ block's weights (and prefetches the next ones) just before the block's own backw
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from offload.engine import SlideEngine
     from offload.host import HostState
+    from offload.transfers import Transfers
+
+
+class BlockSchedule(Protocol):
+    """What checkpointing needs of the engine that streams the blocks (``offload.engine.BlockSchedule``)."""
+
+    transfers: Transfers
+    activations: ActivationStore
+
+    def before_backward(self, block: int) -> None:
+        """Load block ``block``'s weights (and prefetch the next ones) before its backward runs."""
 
 
 class BeforeBackward(torch.autograd.Function):
     """Identity in forward; in backward, calls ``engine.before_backward(block)`` first."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, engine: SlideEngine, block: int) -> torch.Tensor:
+    def forward(ctx: Any, hidden: torch.Tensor, engine: BlockSchedule, block: int) -> torch.Tensor:
         ctx.engine, ctx.block = engine, block
         return hidden.view_as(hidden)
 
@@ -42,7 +52,7 @@ class _Recomputed(torch.autograd.Function):
     """The checkpointed forward of one block (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, run: Any, engine: SlideEngine, block: int) -> torch.Tensor:
+    def forward(ctx: Any, hidden: torch.Tensor, run: Any, engine: BlockSchedule, block: int) -> torch.Tensor:
         ctx.run, ctx.engine, ctx.block = run, engine, block
         with torch.no_grad():
             output = run(hidden)
@@ -67,7 +77,7 @@ class CheckpointedBlock(nn.Module):
     removes: checkpoints and init seeds see the same names with and without checkpointing.
     """
 
-    def __init__(self, block: nn.Module, engine: SlideEngine, index: int):
+    def __init__(self, block: nn.Module, engine: BlockSchedule, index: int):
         super().__init__()
         self._checkpoint_wrapped_module = block
         self._engine = [engine]  # in a list: not registered as a submodule
@@ -93,7 +103,7 @@ class CheckpointedBlock(nn.Module):
 class ActivationStore:
     """The inputs of checkpointed blocks between their forward and their backward: on the device or on the host."""
 
-    def __init__(self, engine: SlideEngine, offload: bool, buffers: HostState, pin: bool):
+    def __init__(self, engine: BlockSchedule, offload: bool, buffers: HostState, pin: bool):
         """
         Args:
             buffers: Where the offloaded inputs live (``HostState.activation_buffer``); pin: pin them in place.

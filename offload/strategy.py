@@ -20,13 +20,14 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lit_fsdp import checkpoints
-from lit_fsdp.layout import build_layouts
+from offload.layout import build_layouts
 from lit_fsdp.lightning_compat import METADATA_FILENAME as _METADATA_FILENAME
 from lit_fsdp.lightning_compat import is_sharded_checkpoint as _is_sharded_checkpoint
 from lit_fsdp.parallelize import find_blocks
@@ -557,3 +558,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
         if self.host is not None:  # unpinned, not freed: a later validate or test on this trainer copies pageable
             self.host.close()
         super().teardown()
+
+
+# The name configs and Trainer(strategy=...) use, registered wherever the class is imported.
+if SlideFSDPStrategy.strategy_name not in StrategyRegistry:
+    SlideFSDPStrategy.register_strategies(StrategyRegistry)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from lit_fsdp.sweep import METHODS, REPO, launch
+from lit_fsdp.commands.sweep import METHODS, REPO, launch
 
 DATA = REPO.parent / "shared" / "data" / "wikitext2"
 #: torch's own PowerSGD DDP hook at configs/powersgd.yaml's rank and start step: the reference for ``powersgd``

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lit_fsdp.launch import launch
+from lit_fsdp.commands.launch import launch
 from lit_fsdp.presets import PRESETS
 from lit_fsdp.repeats import Spread, in_turns
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lit_fsdp.launch import launch
+from lit_fsdp.commands.launch import launch
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -201,7 +201,7 @@ def step_probe(record: Record, device: str, work: Path) -> None:
     rates = _bandwidths(record, device)
     from dataclasses import asdict
 
-    from lit_fsdp.tune.hardware import detect
+    from lit_fsdp.commands.tune.hardware import detect
 
     hardware = asdict(detect())
     if device == "cuda":

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from compress.config import CompressionConfig
 from lit_fsdp.model import CausalLM
 from lit_fsdp.strategy import FSDP2Strategy
-from lit_fsdp.tune.memory import ModelShape
+from lit_fsdp.commands.tune.memory import ModelShape
 from tests.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]

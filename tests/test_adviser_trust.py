@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from lit_fsdp.tune.command import parse_options
-from lit_fsdp.tune.controller import Budget
-from lit_fsdp.tune.llm import AdviserError, LLMAdviser, LLMOptions
+from lit_fsdp.commands.tune.command import parse_options
+from lit_fsdp.commands.tune.controller import Budget
+from lit_fsdp.commands.tune.llm import AdviserError, LLMAdviser, LLMOptions
 from tests.llm_stub import StubLLM
 from tests.test_tune_search import Adviser, FakeRunner, controller
 

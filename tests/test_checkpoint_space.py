@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from compress.config import CompressionConfig
 from lit_fsdp import checkpoints
 from lit_fsdp.checkpoints import CheckpointError, checkpoint_size, copies_at_once
-from lit_fsdp.cli import run
+from lit_fsdp.commands.cli import run
 from lit_fsdp.ddp import DDPStrategy
 from lit_fsdp.presets import build_config
 from lit_fsdp.strategy import FSDP2Strategy
@@ -127,7 +127,7 @@ def test_impossible_checkpoint_fails_before_launch_with_one_line(tmp_path):
     script.write_text(
         "import shutil\n"
         "shutil.disk_usage = lambda path: shutil._ntuple_diskusage(1 << 40, (1 << 40) - 1000, 1000)\n"
-        "from lit_fsdp.__main__ import main\n"
+        "from lit_fsdp.commands.main import main\n"
         "main()\n"
     )
     folder = tmp_path / "run"

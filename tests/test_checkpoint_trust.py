@@ -106,7 +106,7 @@ def test_checkpoints_of_every_kind_load_with_weights_only(tmp_path, kind):
     """Each is read by the CLI's checks, by the strategy that resumes from it and by export."""
     from transformers import AutoModelForCausalLM
 
-    from lit_fsdp.export import export_hf
+    from lit_fsdp.commands.export import export_hf
 
     ckpts = tmp_path / "ckpt"
     fit(tmp_path, *KINDS[kind], steps=2, callbacks=[checkpoint_every(2, ckpts)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from lit_fsdp.cli import run
+from lit_fsdp.commands.cli import run
 from tests.helpers import REPO, run_cli
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

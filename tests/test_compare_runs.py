@@ -1,4 +1,4 @@
-"""scripts/sweep.py and lit_fsdp.compare_runs (scripts/compare_runs.py): a real 2-process sweep with a failure, its
+"""scripts/sweep.py and lit_fsdp.commands.compare_runs (scripts/compare_runs.py): a real 2-process sweep with a failure, its
 table and plots; the grouping and paired-change arithmetic on hand-made records; W&B input without a network."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from lit_fsdp import compare_runs
-from lit_fsdp import sweep as sweep_script
+from lit_fsdp.commands import compare_runs
+from lit_fsdp.commands import sweep as sweep_script
 from tests.helpers import REPO
 
 PNG = b"\x89PNG\r\n\x1a\n"

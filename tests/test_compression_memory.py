@@ -16,8 +16,8 @@ from compress.dgc import DeepGradientCompression
 from compress.error_feedback import ErrorFeedback
 from lit_fsdp.presets import build_config
 from lit_fsdp.strategy import FSDP2Strategy, check_device_memory
-from lit_fsdp.tune.memory import ModelShape, estimate
-from lit_fsdp.tune.space import Candidate, RunShape
+from lit_fsdp.commands.tune.memory import ModelShape, estimate
+from lit_fsdp.commands.tune.space import Candidate, RunShape
 
 GIB = 2**30
 LLAMA_8B = ModelShape.of(build_config("llama-8b"))  # 8,030,261,248 parameters, hidden 4096

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lit_fsdp import compare_runs
+from lit_fsdp.commands import compare_runs
 from tests.helpers import REPO
 
 # 4 steps of gpt2-tiny on 2 processes, one validation at the end.

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from lit_fsdp.estimate import estimate_step, main, parse
-from lit_fsdp.tune.hardware import detect, load
+from lit_fsdp.commands.estimate import estimate_step, main, parse
+from lit_fsdp.commands.tune.hardware import detect, load
 from offload.host_memory import GIB
 from tests.helpers import REPO
 
@@ -64,7 +64,7 @@ def test_a_config_that_names_another_machine_than_the_hardware_is_one_clear_erro
 
 
 def test_without_a_hardware_file_a_cpu_config_is_estimated_on_the_cpu_even_where_a_gpu_is_present(monkeypatch):
-    import lit_fsdp.estimate as estimate_module
+    import lit_fsdp.commands.estimate as estimate_module
 
     asked = []
     monkeypatch.setattr(estimate_module, "detect", lambda accelerator=None: asked.append(accelerator) or detect("cpu"))

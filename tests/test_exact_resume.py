@@ -84,7 +84,7 @@ def run_every_case(rank: int, world: int, root: Path) -> None:
     """On each rank, every case's runs through the CLI, in the same order on both ranks."""
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))  # Lightning launches no process
     from lit_fsdp import checkpoints
-    from lit_fsdp.cli import run as cli
+    from lit_fsdp.commands.cli import run as cli
 
     if rank:  # both ranks run the preflight at once here, and its write probe has one name per folder: rank 0's
         checkpoints.check_writable = lambda folder, flag: None  # (a launched run's first rank probes before the others)

@@ -50,7 +50,7 @@ def errors(result: subprocess.CompletedProcess) -> list[str]:
 def finite_weights(checkpoint: Path) -> bool:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lit_fsdp.export import load_weights, read_metadata
+    from lit_fsdp.commands.export import load_weights, read_metadata
 
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**read_metadata(checkpoint)["hf_config"]))
     load_weights(checkpoint, model)

@@ -17,11 +17,11 @@ import torch
 from callbacks.comm_profiler import CommProfiler
 from callbacks.run_folder import write_json
 from lit_fsdp import checkpoints
-from lit_fsdp.__main__ import main
-from lit_fsdp.export import export_hf
+from lit_fsdp.commands.main import main
+from lit_fsdp.commands.export import export_hf
 from lit_fsdp.lightning_compat import METADATA_FILENAME
 from lit_fsdp.presets import build_config
-from lit_fsdp.trained import load_trained
+from lit_fsdp.commands.trained import load_trained
 from lit_fsdp.weights import load_by_shard
 from tests.corpus import articles, write_array
 from tests.helpers import fit

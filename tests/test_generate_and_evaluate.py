@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_fsdp.__main__ import main
-from lit_fsdp.evaluate import EvaluationData, evaluate
-from lit_fsdp.export import export_hf
-from lit_fsdp.generate import continue_text
+from lit_fsdp.commands.main import main
+from lit_fsdp.commands.evaluate import EvaluationData, evaluate
+from lit_fsdp.commands.export import export_hf
+from lit_fsdp.commands.generate import continue_text
 from lit_fsdp.presets import build_config
-from lit_fsdp.trained import load_trained
+from lit_fsdp.commands.trained import load_trained
 from tests.corpus import articles, write_array, write_lines
 from tests.helpers import fit
 

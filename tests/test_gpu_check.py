@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from lit_fsdp.tune.hardware import load
+from lit_fsdp.commands.tune.hardware import load
 from tests.helpers import REPO
 
 SCRIPT = REPO / "scripts" / "gpu_check.py"

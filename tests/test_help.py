@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lit_fsdp.__main__ import main
+from lit_fsdp.commands.main import main
 
 EVERY_COMMAND = ["fit", "validate", "export", "generate", "evaluate", "tune", "estimate", "hardware", "compressors"]
 

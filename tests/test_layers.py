@@ -1,4 +1,5 @@
-"""Imports run one way: compress, then the core of lit_fsdp, then offload and callbacks, then the application.
+"""Each folder is one layer, and imports run one way: compress/, then lit_fsdp/ (the core), then offload/ and
+callbacks/, then lit_fsdp/commands/ (the application).
 
 Every import in every module counts, wherever it is written: at module level, inside a function, under
 ``if TYPE_CHECKING:``, or as ``import_module("...")`` with a literal name. A lazy import still makes a cycle;
@@ -8,6 +9,7 @@ it only hides it until run time.
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,36 +18,43 @@ PACKAGES = ("compress", "lit_fsdp", "offload", "callbacks")
 
 COMPRESS, CORE, FEATURES, APPLICATION = 0, 1, 2, 3
 LAYER_NAMES = {COMPRESS: "compress", CORE: "lit_fsdp core", FEATURES: "offload/callbacks", APPLICATION: "application"}
-#: The modules of lit_fsdp that are commands or wire every package together; the rest of lit_fsdp is the core.
-APPLICATION_MODULES = (
-    "lit_fsdp.cli",
-    "lit_fsdp.__main__",
-    "lit_fsdp.tune",
-    "lit_fsdp.estimate",  # what a run needs and how fast it can go, from every strategy's accounting
-    "lit_fsdp.generate",
-    "lit_fsdp.evaluate",
-    "lit_fsdp.export",
-    "lit_fsdp.trained",  # the model generate and evaluate load
-    "lit_fsdp.launch",  # runs `python -m lit_fsdp fit` in a subprocess, for tune and the scripts
-    "lit_fsdp.sweep",  # runs of methods x strategies x seeds, for the scripts
-    "lit_fsdp.compare_runs",  # tables and plots of runs' results, for the scripts
-)
+#: Each folder's layer; a folder not named here is its parent's.
+FOLDER_LAYERS = {
+    "compress": COMPRESS,
+    "lit_fsdp": CORE,
+    "offload": FEATURES,
+    "callbacks": FEATURES,
+    "lit_fsdp/commands": APPLICATION,
+}
+#: The one module outside its folder's layer: Python looks for ``python -m lit_fsdp``'s entry point in the package's
+#: own folder, and it only calls lit_fsdp.commands.main.
+ENTRY_POINT = "lit_fsdp.__main__"
 #: offload and callbacks share a layer and do not import each other.
 SIBLINGS = {"offload", "callbacks"}
 
 
+def folder(module: str, is_package: bool = False) -> str:
+    """The folder a module's file is in (a package's ``__init__`` is in its own folder)."""
+    parts = module.split(".")
+    return "/".join(parts if is_package else parts[:-1]) or parts[0]
+
+
+def folder_layer(path: str) -> int | None:
+    while path:
+        if path in FOLDER_LAYERS:
+            return FOLDER_LAYERS[path]
+        path = path.rpartition("/")[0]
+    return None
+
+
 def layer(module: str) -> int | None:
     """The layer of a module of this repository, None for anything else (torch, lightning, the standard library)."""
-    top = module.split(".")[0]
-    if top == "compress":
-        return COMPRESS
-    if top in SIBLINGS:
-        return FEATURES
-    if top == "lit_fsdp":
-        if any(module == app or module.startswith(app + ".") for app in APPLICATION_MODULES):
-            return APPLICATION
-        return CORE
-    return None
+    if module.split(".")[0] not in PACKAGES:
+        return None
+    if module == ENTRY_POINT:
+        return APPLICATION
+    is_package = (REPO / module.replace(".", "/") / "__init__.py").is_file()
+    return folder_layer(folder(module, is_package))
 
 
 def module_name(path: Path) -> str:
@@ -114,7 +123,7 @@ def test_every_package_module_has_a_layer():
 
 def test_lower_layers_never_import_higher_ones():
     bad = violations()
-    assert not bad, "imports that run up the layers (see README, Architecture):\n" + "\n".join(bad)
+    assert not bad, "imports that run up the layers (docs/architecture.md):\n" + "\n".join(bad)
 
 
 def test_compress_imports_only_torch_and_the_standard_library():
@@ -132,7 +141,46 @@ def test_a_lazy_upward_import_is_caught(tmp_path):
     source = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from lit_fsdp.strategy import FSDP2Strategy\n"
-        "def f():\n    from offload import strategy\n    import_module('lit_fsdp.cli')\n"
+        "def f():\n    from offload import strategy\n    import_module('lit_fsdp.commands.cli')\n"
     )
     targets = [t for _, t in imported(ast.parse(source), "compress.x", False, {"offload.strategy"})]
-    assert targets == ["typing", "lit_fsdp.strategy", "offload.strategy", "lit_fsdp.cli"]
+    assert targets == ["typing", "lit_fsdp.strategy", "offload.strategy", "lit_fsdp.commands.cli"]
+
+
+def test_every_folder_has_a_declared_layer_and_no_folder_holds_two():
+    """A module's layer is its folder's: the application is lit_fsdp/commands/, not modules listed by name."""
+    folders = {str(p.parent.relative_to(REPO)) for package in PACKAGES for p in (REPO / package).rglob("*.py")}
+    assert all(folder_layer(f) is not None for f in folders), folders
+    for path in (REPO / "lit_fsdp").glob("*.py"):
+        name = module_name(path)
+        assert name == ENTRY_POINT or layer(name) == CORE, name
+    assert all(layer(module_name(p)) == APPLICATION for p in (REPO / "lit_fsdp" / "commands").rglob("*.py"))
+
+
+def test_the_modules_of_a_folder_import_each_other_without_a_cycle():
+    """A cycle, even through a type-only import, means two modules are one concern or a third is missing."""
+    graph: dict[str, set[str]] = {}
+    for _, _, name, target in package_imports():
+        if target != name and layer(target) is not None:
+            graph.setdefault(name, set()).add(target)
+    cycles = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in trail:
+                cycles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
+            elif len(trail) < 12:
+                visit(nxt, trail + [nxt])
+
+    for start in sorted(graph):
+        visit(start, [start])
+    # a package's __init__ re-exporting its modules is not a cycle of concerns
+    real = [c for c in cycles if not any(m.count(".") == 0 or m.endswith("__init__") for m in c.split(" -> "))]
+    assert not real, "import cycles:\n" + "\n".join(sorted(set(real)))
+
+
+def test_importing_lit_fsdp_or_its_entry_point_loads_neither_torch_nor_lightning():
+    code = ("import sys, lit_fsdp, lit_fsdp.commands, lit_fsdp.commands.main; "
+            "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert out.strip() == "[]"

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from lit_fsdp.layout import UnitLayout
-from lit_fsdp.estimate import estimate_step, parse
-from lit_fsdp.tune.hardware import detect
+from offload.layout import UnitLayout
+from lit_fsdp.commands.estimate import estimate_step, parse
+from lit_fsdp.commands.tune.hardware import detect
 from offload.transfers import EMULATED_DELAY_VARIABLE
 from tests.helpers import REPO, assert_export_gives_logits, checkpoint_every, digests, fit, fit_arguments, record, run_cli
 

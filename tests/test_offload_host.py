@@ -192,7 +192,7 @@ def test_a_dev_shm_too_small_for_the_shared_staging_copy_is_refused_before_launc
 
 
 def test_the_8b_offload_config_with_bfloat16_moments_needs_under_12_gb_per_billion_parameters():
-    from lit_fsdp.estimate import cpu_update_bytes
+    from lit_fsdp.commands.estimate import cpu_update_bytes
 
     strategy, trainer, module, data = _llama_8b_offload()
     strategy.optimizer_state_dtype = "bfloat16"

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM
 
-from lit_fsdp.__main__ import main
+from lit_fsdp.commands.main import main
 from lit_fsdp.data.tokenizer import train_bpe
 from lit_fsdp.presets import build_config
 from tests.corpus import articles, write_lines

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lit_fsdp.strategy import FSDP2Strategy, process_group_backend, resolve_dtype
-from lit_fsdp.tune.memory import compute_dtype
-from lit_fsdp.tune.space import Candidate
+from lit_fsdp.commands.tune.memory import compute_dtype
+from lit_fsdp.commands.tune.space import Candidate
 from offload import SlideFSDPStrategy
 
 GPU = torch.device("cuda", 0)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_fsdp.__main__ import main
-from lit_fsdp.tune.hardware import Hardware, load
+from lit_fsdp.commands.main import main
+from lit_fsdp.commands.tune.hardware import Hardware, load
 from tests.helpers import REPO, run_cli
 from tests.llm_stub import StubLLM
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lit_fsdp.tune.llm import AdviserError, LLMAdviser, LLMOptions, parse_candidates
+from lit_fsdp.commands.tune.llm import AdviserError, LLMAdviser, LLMOptions, parse_candidates
 from tests.distributed import free_port
 from tests.llm_stub import StubLLM
 

@@ -7,9 +7,9 @@ import math
 import pytest
 
 from lit_fsdp.presets import build_config
-from lit_fsdp.tune.hardware import Hardware
-from lit_fsdp.tune.memory import GIB, MemoryFilter, ModelShape, estimate
-from lit_fsdp.tune.space import Candidate, RunShape
+from lit_fsdp.commands.tune.hardware import Hardware
+from lit_fsdp.commands.tune.memory import GIB, MemoryFilter, ModelShape, estimate
+from lit_fsdp.commands.tune.space import Candidate, RunShape
 from offload.host_memory import UnitSize, piece_capacity
 from tests.helpers import BLOCK, HIDDEN, INNER, LAYERS, ROOT, TINY, VOCAB
 

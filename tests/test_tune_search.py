@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from lit_fsdp.tune.coder import Coder
-from lit_fsdp.tune.controller import Budget, Controller, Search
-from lit_fsdp.tune.hardware import Hardware
-from lit_fsdp.tune.judge import Evidence, judge
-from lit_fsdp.tune.llm import AdviserError
-from lit_fsdp.tune.memory import GIB, MemoryFilter, estimate
-from lit_fsdp.tune.space import Candidate, RunShape, SearchSpace, outside
-from lit_fsdp.tune.trials import Trial
+from lit_fsdp.commands.tune.coder import Coder
+from lit_fsdp.commands.tune.controller import Budget, Controller, Search
+from lit_fsdp.commands.tune.hardware import Hardware
+from lit_fsdp.commands.tune.judge import Evidence, judge
+from lit_fsdp.commands.tune.llm import AdviserError
+from lit_fsdp.commands.tune.memory import GIB, MemoryFilter, estimate
+from lit_fsdp.commands.tune.space import Candidate, RunShape, SearchSpace, outside
+from lit_fsdp.commands.tune.trials import Trial
 from tests.helpers import TINY
 
 RUN = RunShape(world_size=2, nodes=1, accelerator="cpu", seq_len=128, batch_per_process=8, clipping=True)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from lit_fsdp.cli import run
+from lit_fsdp.commands.cli import run
 from lit_fsdp.errors import error_line
 from tests.helpers import FAST, REPO
 
@@ -45,7 +45,7 @@ def test_a_configured_wandb_logger_without_the_package_fails_in_one_line_naming_
 def test_without_wandb_a_run_logs_its_steps_to_csv_in_the_run_folder_and_says_so_once(tmp_path):
     # Both ranks run the script (Lightning starts the second with the same command line): neither can import wandb.
     script = tmp_path / "no_wandb.py"
-    script.write_text("import sys\nsys.modules['wandb'] = None\nfrom lit_fsdp.__main__ import main\nmain()\n")
+    script.write_text("import sys\nsys.modules['wandb'] = None\nfrom lit_fsdp.commands.main import main\nmain()\n")
     folder = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     result = subprocess.run(

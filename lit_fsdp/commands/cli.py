@@ -21,7 +21,7 @@ from lit_fsdp import checkpoints
 from lit_fsdp.data.blocks import BlockDataModule, check_same_global_batch
 from lit_fsdp.ddp import DDPStrategy
 from lit_fsdp.errors import PeerLostError, lost_peer
-from lit_fsdp.help import PlainHelpFormatter
+from lit_fsdp.commands.help import PlainHelpFormatter
 from lit_fsdp.model import CausalLM
 from lit_fsdp.strategy import CausalLMStrategy
 from lit_fsdp.wandb_logger import CSVFallbackLogger, SaveConfig, WandbLogger, default_logger
@@ -73,7 +73,7 @@ class LitFsdpCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        """fit and validate: test and predict are not offered (``lit_fsdp.__main__.NOT_OFFERED`` says why)."""
+        """fit and validate: test and predict are not offered (``lit_fsdp.commands.main.NOT_OFFERED`` says why)."""
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

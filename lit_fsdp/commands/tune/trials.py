@@ -17,10 +17,10 @@ from typing import Any, Sequence
 
 import yaml
 
-from lit_fsdp.launch import launch
-from lit_fsdp.tune.hardware import Hardware
-from lit_fsdp.tune.memory import compute_dtype
-from lit_fsdp.tune.space import Candidate, RunShape
+from lit_fsdp.commands.launch import launch
+from lit_fsdp.commands.tune.hardware import Hardware
+from lit_fsdp.commands.tune.memory import compute_dtype
+from lit_fsdp.commands.tune.space import Candidate, RunShape
 
 _OOM_SIGNS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory")
 # Figures a trial keeps from its results record (callbacks.Results), by the same names.

@@ -24,7 +24,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from lit_fsdp.tune.trials import Trial
+from lit_fsdp.commands.tune.trials import Trial
 
 EXPOSED_COMM_SHARE = 0.10
 IDLE_SHARE = 0.25

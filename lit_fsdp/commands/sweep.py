@@ -31,7 +31,7 @@ from typing import Any, Sequence, get_args
 
 import yaml
 
-from lit_fsdp.launch import launch  # bench scripts import it from here too
+from lit_fsdp.commands.launch import launch  # bench scripts import it from here too
 from lit_fsdp.strategy import FSDP2Strategy, Sharding
 
 REPO = Path(__file__).resolve().parents[1]

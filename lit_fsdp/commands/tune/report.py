@@ -16,10 +16,10 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from lit_fsdp.tune.controller import SearchResult  # noqa: E402
-from lit_fsdp.tune.memory import GIB, MemoryFilter  # noqa: E402
-from lit_fsdp.tune.space import RunShape  # noqa: E402
-from lit_fsdp.tune.trials import Trial  # noqa: E402
+from lit_fsdp.commands.tune.controller import SearchResult  # noqa: E402
+from lit_fsdp.commands.tune.memory import GIB, MemoryFilter  # noqa: E402
+from lit_fsdp.commands.tune.space import RunShape  # noqa: E402
+from lit_fsdp.commands.tune.trials import Trial  # noqa: E402
 
 PLOT = "tokens_per_s.png"
 

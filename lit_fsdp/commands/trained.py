@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from transformers.utils import logging as hf_logging
 
 from lit_fsdp.data.tokenizer import load_tokenizer, tokenizer_from_files
-from lit_fsdp.export import model_from_checkpoint, read_metadata
+from lit_fsdp.commands.export import model_from_checkpoint, read_metadata
 from lit_fsdp.lightning_compat import METADATA_FILENAME as _METADATA_FILENAME
 
 DType = Literal["float32", "bfloat16", "float16"]

@@ -46,8 +46,8 @@ from lit_fsdp.flops import matmul_shape
 from lit_fsdp.loss import loss_bytes
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.strategy import ADAM_STATE_BYTES, resolve_dtype
-from lit_fsdp.tune.hardware import Hardware
-from lit_fsdp.tune.space import Candidate, RunShape
+from lit_fsdp.commands.tune.hardware import Hardware
+from lit_fsdp.commands.tune.space import Candidate, RunShape
 from offload.host_memory import HostSetup, UnitSize, host_buffers
 
 GIB = 2**30

@@ -7,7 +7,7 @@ It takes ``fit``'s configs and arguments and ``--tune.hardware`` (default: this 
 model on the meta device and no Trainer (the hardware need not be here), and prints, per process and optimizer
 step: host memory per node by buffer, the device peak by component, host-device bytes, the CPU update's bytes
 and time, network bytes per collective, compute time at the device's peak, and the step time and MFU these
-bound. The memory figures are the preflight's and the tuner's (``offload.host_memory``, ``lit_fsdp.tune.memory``);
+bound. The memory figures are the preflight's and the tuner's (``offload.host_memory``, ``lit_fsdp.commands.tune.memory``);
 times are bytes or FLOPs over the hardware file's rates, each resource at its peak, overlapped as the strategy
 overlaps them: a bound, not a measurement.
 """
@@ -24,14 +24,14 @@ from typing import Any, Sequence
 
 import torch
 
-from lit_fsdp.cli import LitFsdpCLI, run as parse_fit
+from lit_fsdp.commands.cli import LitFsdpCLI, run as parse_fit
 from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
-from lit_fsdp.help import plain
+from lit_fsdp.commands.help import plain
 from lit_fsdp.strategy import CausalLMStrategy
-from lit_fsdp.tune.command import default_candidate, parse_options, run_shape, split_arguments
-from lit_fsdp.tune.hardware import Hardware, detect, load
-from lit_fsdp.tune.memory import GIB, ModelShape, compute_dtype, estimate as device_estimate
-from lit_fsdp.tune.space import Candidate
+from lit_fsdp.commands.tune.command import default_candidate, parse_options, run_shape, split_arguments
+from lit_fsdp.commands.tune.hardware import Hardware, detect, load
+from lit_fsdp.commands.tune.memory import GIB, ModelShape, compute_dtype, estimate as device_estimate
+from lit_fsdp.commands.tune.space import Candidate
 from offload.host_memory import (FLAG_ELEMENTS, RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, piece_capacity, pieces,
                                   with_runtime)
 
@@ -45,7 +45,7 @@ class _ConfigOnly(LitFsdpCLI):
 
 @dataclass
 class RunTrainer:
-    """The Trainer fields the accounting reads, from the configs (``lit_fsdp.tune`` and the strategies read these)."""
+    """The Trainer fields the accounting reads, from the configs (``lit_fsdp.commands.tune`` and the strategies read these)."""
 
     num_nodes: int
     num_devices: int

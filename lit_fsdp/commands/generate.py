@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from transformers import TextStreamer
 
-from lit_fsdp.trained import DType, Trained, load_trained
+from lit_fsdp.commands.trained import DType, Trained, load_trained
 
 
 class _Stream(TextStreamer):

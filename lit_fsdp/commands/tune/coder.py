@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from lit_fsdp.tune.judge import Finding
-from lit_fsdp.tune.space import Candidate, RunShape
+from lit_fsdp.commands.tune.judge import Finding
+from lit_fsdp.commands.tune.space import Candidate, RunShape
 
 Move = dict[str, Any]
 

@@ -18,12 +18,12 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from lit_fsdp.tune.coder import Coder, Proposal
-from lit_fsdp.tune.judge import Evidence, Finding, judge
-from lit_fsdp.tune.llm import AdviserError, LLMAdviser
-from lit_fsdp.tune.memory import GIB, MemoryFilter
-from lit_fsdp.tune.space import Candidate, RunShape, outside
-from lit_fsdp.tune.trials import Trial
+from lit_fsdp.commands.tune.coder import Coder, Proposal
+from lit_fsdp.commands.tune.judge import Evidence, Finding, judge
+from lit_fsdp.commands.tune.llm import AdviserError, LLMAdviser
+from lit_fsdp.commands.tune.memory import GIB, MemoryFilter
+from lit_fsdp.commands.tune.space import Candidate, RunShape, outside
+from lit_fsdp.commands.tune.trials import Trial
 
 RunTrial = Callable[[Candidate, int, str, float], Trial]
 

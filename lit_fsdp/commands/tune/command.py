@@ -22,15 +22,15 @@ import lightning.pytorch as pl
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from compress.config import CompressionConfig
-from lit_fsdp.tune.coder import Coder
-from lit_fsdp.tune.controller import Budget, Controller, Search
-from lit_fsdp.help import PlainHelpFormatter
-from lit_fsdp.tune.hardware import Hardware, detect, load
-from lit_fsdp.tune.llm import LLMAdviser, LLMOptions
-from lit_fsdp.tune.memory import MemoryFilter, ModelShape
-from lit_fsdp.tune.report import PLOT, append_trial, write_best, write_report
-from lit_fsdp.tune.space import COMMON_KNOBS, STRATEGY_CLASSES, STRATEGY_KNOBS, Candidate, RunShape, SearchSpace
-from lit_fsdp.tune.trials import TrialRunner, TrialSchedule
+from lit_fsdp.commands.tune.coder import Coder
+from lit_fsdp.commands.tune.controller import Budget, Controller, Search
+from lit_fsdp.commands.help import PlainHelpFormatter
+from lit_fsdp.commands.tune.hardware import Hardware, detect, load
+from lit_fsdp.commands.tune.llm import LLMAdviser, LLMOptions
+from lit_fsdp.commands.tune.memory import MemoryFilter, ModelShape
+from lit_fsdp.commands.tune.report import PLOT, append_trial, write_best, write_report
+from lit_fsdp.commands.tune.space import COMMON_KNOBS, STRATEGY_CLASSES, STRATEGY_KNOBS, Candidate, RunShape, SearchSpace
+from lit_fsdp.commands.tune.trials import TrialRunner, TrialSchedule
 
 OUTPUTS = ("trials.jsonl", "best.yaml", "report.md", "summary.json", PLOT, "trials")  # what a new search in OUT replaces
 
@@ -190,7 +190,7 @@ def main(argv: Sequence[str]) -> None:
         return
     options = parse_options(tune_args)
     hardware = load(options.hardware) if options.hardware else detect()
-    from lit_fsdp.cli import run as parse_fit  # after the options: a bad option fails fast, before torch and Lightning
+    from lit_fsdp.commands.cli import run as parse_fit  # after the options: a bad tune option fails before the run is built
 
     with warnings.catch_warnings():  # that args and sys.argv both exist is how tune calls it
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")

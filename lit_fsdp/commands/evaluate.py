@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from lit_fsdp.data.blocks import TokenBlocks
 from lit_fsdp.data.token_cache import cache_dir_or_default, cached_tokens, check_corpus_file
-from lit_fsdp.trained import DType, Trained, load_trained
+from lit_fsdp.commands.trained import DType, Trained, load_trained
 
 #: The file in a run folder that collects one line per evaluation.
 EVALUATIONS = "evaluations.jsonl"
