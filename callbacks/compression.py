@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 
 from callbacks.run_folder import log_metrics, write_json
 from compress.hook import GradientCompression
+from lit_fsdp.reporting import strategy_report
 
 _PEAKS = ("buffer_bytes",)  # counters that are a maximum over the run, not a sum
 _SAMPLED = "sample_"  # prefix of the sums of a sampled step: turned into error and cosine, not run totals
@@ -46,8 +47,7 @@ class CompressionStats(pl.Callback):
 
     @staticmethod
     def _hook(trainer: pl.Trainer) -> GradientCompression | None:
-        hook = getattr(trainer.strategy, "comm_hook", None)
-        return hook if isinstance(hook, GradientCompression) else None
+        return strategy_report(trainer).compression_hook()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         # Gradients are reduced only on the micro-batch that ends an accumulation window: switch sampling there.

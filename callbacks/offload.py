@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from callbacks.run_folder import log_metrics
+from lit_fsdp.reporting import strategy_report
 
 _GB = 1e9
 
@@ -42,14 +43,14 @@ class OffloadStats(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps, self._host, self._trainer = [], None, trainer
-        if getattr(trainer.strategy, "engine", None) is None:
+        if strategy_report(trainer).offload_report() is None:
             rank_zero_warn(f"OffloadStats measures offload.SlideFSDPStrategy; {type(trainer.strategy).__name__} has none")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        engine = getattr(trainer.strategy, "engine", None)
-        if engine is None or trainer.fit_loop._should_accumulate() or engine.last_step is None:
+        offload = strategy_report(trainer).offload_report()
+        if offload is None or trainer.fit_loop._should_accumulate() or offload.last_step is None:
             return
-        step = engine.last_step
+        step = offload.last_step
         self.steps.append(step)
         log_metrics(trainer, {f"offload/{key}": value for key, value in self._figures([step]).items()})
 
@@ -72,24 +73,26 @@ class OffloadStats(pl.Callback):
     def _host_state(self) -> dict[str, float]:
         """The node's host state in GB (summed over its ranks: a collective, run once on every rank)."""
         if self._host is None:
-            trainer, strategy = self._trainer, self._trainer.strategy
-            mine = torch.tensor(float(strategy.host_state_bytes()), dtype=torch.float64)
-            total = strategy.reduce(mine, reduce_op="sum") if trainer.world_size > 1 else mine
+            trainer = self._trainer
+            offload = strategy_report(trainer).offload_report()
+            mine = torch.tensor(float(offload.host_state_bytes()), dtype=torch.float64)
+            total = trainer.strategy.reduce(mine, reduce_op="sum") if trainer.world_size > 1 else mine
             per_node = float(total) / trainer.num_nodes / _GB
-            billions = strategy.parameter_count() / 1e9
+            billions = offload.parameter_count() / 1e9
             # What the preflight counted for the same buffers (offload.host_memory), beside what was allocated.
-            estimate = strategy.host_buffer_estimate(trainer, trainer.lightning_module, trainer.datamodule)
+            estimate = offload.host_buffer_estimate(trainer, trainer.lightning_module, trainer.datamodule)
             self._host = {"host_state_gb_per_node": per_node, "host_gb_per_billion_params": per_node / billions,
                           "host_estimate_gb_per_node": sum(estimate.values()) / _GB}
         return self._host
 
     def summary(self) -> dict[str, Any]:
         """Means over the steps after warm-up (``offload_*``) and the host state; empty without SlideFSDP."""
-        if self._trainer is None or getattr(self._trainer.strategy, "engine", None) is None or not self.steps:
+        offload = strategy_report(self._trainer).offload_report() if self._trainer is not None else None
+        if offload is None or not self.steps:
             return {}
         steps = self.steps[self.warmup_steps :] or self.steps
         record = {f"offload_{key}": value for key, value in self._figures(steps).items()}
-        record["offload_update_threads"] = self._trainer.strategy.update_threads_reason  # how many, and why
+        record["offload_update_threads"] = offload.update_threads_reason  # how many, and why
         record.update(self._host_state())
         return record
 

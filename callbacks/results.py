@@ -15,6 +15,7 @@ import torch
 from callbacks.run_folder import append_jsonl, compression_method, logged, run_name, write_json
 from lit_fsdp.errors import error_line
 from lit_fsdp.wandb_logger import publish_summary
+from lit_fsdp.reporting import strategy_report
 
 _PACKAGES = ("torch", "lightning", "transformers", "torchmetrics", "jsonargparse", "wandb")
 
@@ -60,7 +61,8 @@ class Results(pl.Callback):
 
     def identity(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Who the run is and where it got to: what a failed run's record holds too."""
-        compression = getattr(trainer.strategy, "compression", None)
+        report = strategy_report(trainer)
+        compression = report.compression
         method = compression_method(trainer)
         datamodule = trainer.datamodule
         return {
@@ -72,7 +74,7 @@ class Results(pl.Callback):
             "batch_size": getattr(datamodule, "batch_size", None),
             "compress_method": method,
             "compress_config": None if compression is None else vars(compression),
-            "strategy": getattr(trainer.strategy, "label", type(trainer.strategy).__name__),  # ddp, fsdp2, slide_fsdp, ...
+            "strategy": report.label,  # ddp, fsdp2, slide_fsdp, ...
             "seed": int(os.environ["PL_GLOBAL_SEED"]) if "PL_GLOBAL_SEED" in os.environ else None,  # seed_everything
             "steps": trainer.global_step,
             "train_loss": logged(trainer, "train/loss"),

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lit_fsdp.reporting import strategy_report
 
 _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compression_method(trainer: pl.Trainer) -> str:
     """The strategy's gradient compression method; ``none`` without a compression config."""
-    compression = getattr(trainer.strategy, "compression", None)
+    compression = strategy_report(trainer).compression
     return "none" if compression is None else compression.method
 
 

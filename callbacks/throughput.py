@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from callbacks.run_folder import log_metrics, write_json
 from lit_fsdp.device_peaks import matmul_format, peak_tflops
 from lit_fsdp.flops import flops_per_token, matmul_shape, recompute_flops_per_token
+from lit_fsdp.reporting import strategy_report
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -26,14 +27,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def compute_dtype(trainer: pl.Trainer) -> torch.dtype:
-    """The dtype the matmuls run in: the FSDP2 strategy's resolved ``param_dtype``, else the trainer's precision."""
-    strategy = trainer.strategy
-    if hasattr(strategy, "resolve_dtype"):
-        return strategy.resolve_dtype(strategy.param_dtype)
-    precision = str(trainer.precision)  # "bf16-mixed", "16-mixed", "32-true", ...
-    if precision.startswith("bf16"):
-        return torch.bfloat16
-    return torch.float16 if precision.startswith("16") else torch.float32
+    """The dtype the matmuls run in: a lit_fsdp strategy's resolved ``param_dtype``, else the trainer's precision."""
+    return strategy_report(trainer).compute_dtype()
 
 
 #: The progress bar's ``tok/s`` (also logged every ``log_every_n_steps``): the mean over the last steps, warm-up included.
@@ -87,7 +82,7 @@ class Throughput(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.world_size = trainer.world_size
-        self.checkpoint_every = getattr(trainer.strategy, "activation_checkpointing", 0)
+        self.checkpoint_every = strategy_report(trainer).activation_checkpointing
         config = getattr(getattr(pl_module, "model", None), "config", None)
         self.model_config, problems = None, []
         if not isinstance(config, PretrainedConfig):

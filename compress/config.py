@@ -1,6 +1,7 @@
 """Choosing a compression method in YAML: ``compression: {method: int8, num_bits: 8, error_feedback: false}``.
 
-``METHODS`` is the one table of methods: their parameters with defaults, and how to build them.
+``METHODS`` is the one table of methods: their parameters with defaults, how to build them, how their gradients cross
+ranks (their communicator) and what state they keep.
 ``python -m lit_fsdp compressors`` prints it.
 """
 
@@ -11,10 +12,11 @@ from typing import Any, Callable
 
 import torch
 
+from compress.communicators import COMPRESSED, ONEBIT_ADAM, POWERSGD, SKETCHED, Communicator
 from compress.dgc import DeepGradientCompression
 from compress.error_feedback import ErrorFeedback
 from compress.lowrank import LowRank
-from compress.onebit_adam import OneBitMomentum, zero_one_momentum
+from compress.onebit_momentum import OneBitMomentum, zero_one_momentum
 from compress.payload import Compressor
 from compress.powersgd import PowerSGD
 from compress.quantize import FP8, QSGD, CastBF16, CastFP16, IntQuant, NaturalCompression, OneBit, SignSGD
@@ -24,17 +26,24 @@ from compress.sparsify import RandomK, Sparsified, ThresholdV, TopK
 
 @dataclass(frozen=True)
 class Method:
-    """One compression method: what it does, its parameters with defaults, and its constructor."""
+    """One compression method: what it does, its parameters with defaults, its constructor and its communicator."""
 
     summary: str
     defaults: dict[str, Any]
     build: Callable[..., Compressor]
     #: a biased method whose dropped part error feedback can carry to the next step
     feedback: bool = True
+    #: the hooks that move its gradients (None: FSDP2's own, for ``none``)
+    communicator: Communicator | None = COMPRESSED
+    #: ``fits(n, **parameters)`` raises if a gradient chunk of ``n`` elements is too small for the parameters
+    #: (None: any size fits)
+    fits: Callable[..., None] | None = None
+    #: its built-in state (what ``state_bytes`` counts) and how to do without it; None: error feedback's, if any
+    kept_state: tuple[str, str] | None = None
 
 
 METHODS: dict[str, Method] = {
-    "none": Method("no hook: FSDP2's own reduce-scatter", {}, lambda: None, feedback=False),  # type: ignore[arg-type,return-value]
+    "none": Method("no hook: FSDP2's own reduce-scatter", {}, lambda: None, feedback=False, communicator=None),  # type: ignore[arg-type,return-value]
     "fp16": Method("cast to float16 for transport (native reduce-scatter)", {}, CastFP16),
     "bf16": Method("cast to bfloat16 for transport (native reduce-scatter)", {}, CastBF16),
     "fp8": Method("float8 e4m3 with an fp32 scale per chunk", {"chunk_size": 1024}, FP8),
@@ -55,25 +64,30 @@ METHODS: dict[str, Method] = {
     ),
     "sketch": Method(
         "Sketched-SGD in two rounds: summed count sketches pick candidates, their exact values follow; error feedback built in",
-        {"ratio": 0.1, "rows": 5, "heavy_ratio": 0.01}, SketchedSGD, feedback=False,
+        {"ratio": 0.1, "rows": 5, "heavy_ratio": 0.01}, SketchedSGD, feedback=False, communicator=SKETCHED,
+        kept_state=("Sketched-SGD's residuals", "use a method without built-in error feedback (e.g. int8)"),
     ),
-    "lowrank": Method("per-rank rank-r power iteration of reshaped chunks (each rank its own factors)", {"rank": 4, "cols": None}, LowRank),
+    "lowrank": Method(
+        "per-rank rank-r power iteration of reshaped chunks (each rank its own factors)", {"rank": 4, "cols": None}, LowRank,
+        fits=lambda n, **parameters: LowRank(**parameters).check_fits(n),
+    ),
     "powersgd": Method(
         "PowerSGD: rank-r per matrix, a Q shared by all ranks, P and Q summed natively, error feedback built in",
-        {"rank": 4, "start_step": 10, "min_compression": 2.0}, PowerSGD, feedback=False,
+        {"rank": 4, "start_step": 10, "min_compression": 2.0}, PowerSGD, feedback=False, communicator=POWERSGD,
+        kept_state=("PowerSGD's residuals and warm-start Qs", "use a method without built-in error feedback (e.g. int8)"),
     ),
     "signsgd": Method("signs and one scale (mean magnitude) per chunk", {"chunk_size": 1024}, SignSGD),
     "onebit": Method("1-bit SGD: signs and per-chunk means of each sign", {"chunk_size": 1024}, OneBit),
     "onebit_adam": Method(
         "1-bit Adam (replaces AdamW): AdamW for freeze_step steps, then local momenta as signs and a scale per chunk, "
         "error feedback built in, variance frozen",
-        {"freeze_step": 100, "chunk_size": 128, "bound": 1.0}, OneBitMomentum, feedback=False,
+        {"freeze_step": 100, "chunk_size": 128, "bound": 1.0}, OneBitMomentum, feedback=False, communicator=ONEBIT_ADAM,
     ),
     "zero_one_adam": Method(
         "0/1 Adam (replaces AdamW): variance updated by exact rounds at doubling intervals until var_freeze_step, 1-bit "
         "momentum in between; then local rounds that send nothing and a 1-bit sync every 2, 4, ... local_step_clipper",
         {"chunk_size": 128, "var_freeze_step": 64, "var_update_scaler": 1, "local_step_scaler": 25,
-         "local_step_clipper": 16, "bound": 1.0}, zero_one_momentum, feedback=False,
+         "local_step_clipper": 16, "bound": 1.0}, zero_one_momentum, feedback=False, communicator=ONEBIT_ADAM,
     ),
 }
 SPARSIFIERS = ("topk", "randomk", "thresholdv")
@@ -251,6 +265,35 @@ class CompressionConfig:
                        + residual * (parameters // shard) * (shard > 1 and replicas > 1))
         elements = parameters * (shard > 1) + parameters // shard * (replicas > 1)
         return int(self.state_bytes_per_param(rows) * elements)
+
+    def state_advice(self, option: str) -> tuple[str, str]:
+        """What the state ``state_bytes`` counts is, and how to shrink it, for an error message; ``option`` is where
+        this config is set (e.g. ``--trainer.strategy.init_args.compression``), its fields ``option.<field>``."""
+        built_in = self._method(self.method, "method").kept_state
+        if built_in is not None:
+            return built_in
+        halve = f"{option}.residual_dtype bfloat16 (halves them) or " if self.residual_dtype == "float32" else ""
+        if self.method in _OWN_STATE_DTYPE:  # error feedback is the method itself: there is no switch to turn it off
+            what = "1-bit Adam's residuals, local momenta and frozen denominators" + (
+                " and 0/1 Adam's accumulators" if self.method == "zero_one_adam" else "")
+            shrink = f"set {halve.removesuffix(' or ')} or " if halve else ""
+            return what, f"{shrink}use a method without an optimizer of its own (e.g. int8)"
+        what = "error-feedback residuals" + (" and DGC velocities" if self.parameters().get("momentum") else "")
+        return what, f"set {halve}{option}.error_feedback false"
+
+    @property
+    def communicator(self) -> Communicator | None:
+        """The hooks that move this method's gradients (None: FSDP2's own)."""
+        return self._method(self.method, "method").communicator
+
+    def size_check(self) -> Callable[[int], None] | None:
+        """What raises if a gradient chunk of ``n`` elements is too small for this config (lowrank's rank larger than
+        the chunk's matrix), so that it fails before the first step; None: any size fits."""
+        fits = self._method(self.method, "method").fits
+        if fits is None:
+            return None
+        parameters = self.parameters()
+        return lambda n: fits(n, **parameters)
 
     def check_replicas(self, replicas: int) -> None:
         """0/1 Adam's local rounds need one owner per shard: refused where ``replicas`` > 1 hold each shard."""

@@ -7,17 +7,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from compress.communicator import CommStats, CompressedAllReduce, CompressedReduceScatter, RestoredState
+from compress.communicator import CommStats, RestoredState
 from compress.config import CompressionConfig
 from compress.layout import unit_layout
-from compress.onebit_adam import OneBitAdam, OneBitAdamAllReduce, OneBitAdamReduceScatter, OneBitMomentum
 from compress.param_gather import QuantizedAllGather
-from compress.powersgd import PowerSGD, PowerSGDAllReduce, PowerSGDReduceScatter
-from compress.sketched_sgd import SketchedAllReduce, SketchedReduceScatter, SketchedSGD
 
 
 class GradientCompression:
-    """Installs compressed reduce-scatter (and replicate all-reduce) hooks on every FSDP module.
+    """Installs compressed reduce-scatter (and replicate all-reduce) hooks on every FSDP module: those the method's
+    ``Communicator`` declares (``compress.communicators``).
 
     With a 2-D (replicate, shard) mesh the strategy shards over the shard sub-mesh only
     (``replaces_replicate_all_reduce``), and the replicate average is this hook's compressed all-reduce.
@@ -64,54 +62,40 @@ class GradientCompression:
         shard = mesh["shard"] if mesh.ndim == 2 else mesh
         if self.param_codec is not None and shard.size() > 1:
             module.set_custom_all_gather(QuantizedAllGather(self.param_codec, self.stats, f"{name}/params"))
-        if self.compressor is None:  # method none: the gradients take FSDP2's own path
+        communicator = self.config.communicator
+        if self.compressor is None or communicator is None:  # method none: the gradients take FSDP2's own path
             return
-        check_fits = getattr(getattr(self.compressor, "inner", self.compressor), "check_fits", None)
-        if check_fits is not None:  # e.g. a low rank larger than a chunk's matrix: fail before the first step
-            check_fits(unit_layout(module, shard.size(), 0).shard_numel)  # elements per destination row
-        if isinstance(self.compressor, PowerSGD):  # its own communicators: native all-reduces of P and Q, no payloads
-            # the reduce-scatter's input is the unit's rank-major flat gradient; the replicate all-reduce's, this
-            # rank's shard of it: the same layout describes both
-            layout = unit_layout(module, shard.size(), shard.get_local_rank())
-            if shard.size() > 1:
-                module.set_custom_reduce_scatter(PowerSGDReduceScatter(self.compressor, self.stats, name, layout, self.restored))
-            if mesh.ndim == 2 and mesh["replicate"].size() > 1:
-                module.set_all_reduce_hook(PowerSGDAllReduce(
-                    self.compressor, self.stats, f"{name}/ar", layout, mesh["replicate"].get_group(), self.restored
-                ))
-            return
-        if isinstance(self.compressor, SketchedSGD):
-            reduce_scatter_type, all_reduce_type = SketchedReduceScatter, SketchedAllReduce
-        else:
-            reduce_scatter_type, all_reduce_type = CompressedReduceScatter, CompressedAllReduce
-        onebit_adam = isinstance(self.compressor, OneBitMomentum)
-        layout = unit_layout(module, shard.size(), shard.get_local_rank()) if onebit_adam else None
+        size_check = self.config.size_check()
+        if size_check is not None:  # e.g. a low rank larger than a chunk's matrix: fail before the first step
+            size_check(unit_layout(module, shard.size(), 0).shard_numel)  # elements per destination row
+        # the reduce-scatter's input is the unit's rank-major flat gradient; the replicate all-reduce's, this rank's
+        # shard of it: the same layout describes both
+        layout = {"layout": unit_layout(module, shard.size(), shard.get_local_rank())} if communicator.layout else {}
         all_reduce_compressor = self.compressor
         if shard.size() > 1:
-            if onebit_adam:  # its denominators are gathered in the reduce-scatter's layout
-                reduce_scatter = OneBitAdamReduceScatter(self.compressor, self.stats, name, layout, self.restored)
-                all_reduce_compressor = self.compressor.second_stage()  # replicas average what shard groups averaged
-            else:
-                reduce_scatter = reduce_scatter_type(self.compressor, self.stats, name, self.restored)
+            reduce_scatter = communicator.reduce_scatter(self.compressor, self.stats, name, restored=self.restored, **layout)
             module.set_custom_reduce_scatter(reduce_scatter)
-            self._movers.append(reduce_scatter.mover)
+            if communicator.movers:
+                self._movers.append(reduce_scatter.mover)
+            if communicator.second_stage is not None:  # replicas average what the shard group averaged
+                all_reduce_compressor = communicator.second_stage(self.compressor)
         replicas = mesh["replicate"] if mesh.ndim == 2 else None
         self.config.check_replicas(replicas.size() if replicas is not None else 1)
         if replicas is not None and replicas.size() > 1:
             group = replicas.get_group()
-        elif shard.size() == 1 and onebit_adam:
-            group = shard.get_group()  # one process: its momentum is still compressed (FSDP2 calls the hook anyway)
+        elif shard.size() == 1 and communicator.one_process:
+            group = shard.get_group()
         else:
             return
-        if onebit_adam:
-            all_reduce = OneBitAdamAllReduce(all_reduce_compressor, self.stats, name, group, layout, self.restored)
-        else:
-            all_reduce = all_reduce_type(all_reduce_compressor, self.stats, name, group, self.restored)
+        all_reduce = communicator.all_reduce(all_reduce_compressor, self.stats, name, group=group, restored=self.restored,
+                                             **layout)
         module.set_all_reduce_hook(all_reduce)
-        self._movers.append(all_reduce.mover)
+        if communicator.movers:
+            self._movers.append(all_reduce.mover)
 
     def optimizer(self, params, **adamw) -> torch.optim.Optimizer | None:
         """The optimizer this method needs in place of AdamW, built with AdamW's arguments (None: AdamW itself)."""
-        if not isinstance(self.compressor, OneBitMomentum):
+        communicator = self.config.communicator
+        if self.compressor is None or communicator is None or communicator.optimizer is None:
             return None
-        return OneBitAdam(params, self.compressor.phase, **adamw)
+        return communicator.optimizer(params, self.compressor, **adamw)

@@ -2,7 +2,7 @@
 
 Importing the package loads nothing heavy (no torch, no Lightning): ``python -m lit_fsdp --help`` and a mistyped
 option answer at once. ``FSDP2Strategy`` and ``DDPStrategy`` load on first use; importing their modules registers
-their names (``fsdp2``, ...) with Lightning's strategy registry.
+their names (``lit_fsdp``, ``lit_fsdp_ddp``) with Lightning's strategy registry.
 """
 
 from __future__ import annotations

@@ -20,13 +20,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import AtomicCheckpoints, NonFiniteGuard, OnNonFinite
+from lit_fsdp.reporting import StrategyReport
 from lit_fsdp.strategy import DType, check_precision, resolve_dtype
 from lit_fsdp.weights import materialize
 
 _AUTOCAST = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
 
 
-class DDPStrategy(NonFiniteGuard, AtomicCheckpoints, LightningDDPStrategy):
+class DDPStrategy(NonFiniteGuard, AtomicCheckpoints, LightningDDPStrategy, StrategyReport):
     """Data parallel (DDP): the whole model, its gradients and AdamW state on every rank; gradients all-reduced."""
 
     strategy_name = "lit_fsdp_ddp"
@@ -78,6 +79,9 @@ class DDPStrategy(NonFiniteGuard, AtomicCheckpoints, LightningDDPStrategy):
 
     def resolve_dtype(self, name: DType) -> torch.dtype:
         return resolve_dtype(name, self.root_device)
+
+    def compute_dtype(self) -> torch.dtype:
+        return self.resolve_dtype(self.param_dtype)
 
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
         """Checks run by the CLI before Lightning starts the other processes."""

@@ -25,6 +25,24 @@ from torch import nn
 IGNORE_INDEX = -100  # F.cross_entropy's default: labels with this value add nothing to the loss
 
 
+def target_count(labels: torch.Tensor) -> torch.Tensor:
+    """The tokens the loss covers (labels other than ``IGNORE_INDEX``), as a device tensor: no host sync."""
+    return (labels != IGNORE_INDEX).sum()
+
+
+def step_normalised(mean: torch.Tensor, labels: torch.Tensor, step_targets: torch.Tensor, data_parallel: int,
+                    accumulation: int) -> torch.Tensor:
+    """A micro-batch's loss scaled so that the optimizer step's gradient is that of the sum of the losses of all its
+    target tokens (every micro-batch of the accumulation, every rank) divided by their number, ``step_targets``.
+
+    The mean of per-micro-batch means weighs a token of a micro-batch with few targets more than one of a micro-batch
+    with many (torchtune#1875); here every token weighs the same. Lightning divides each micro-batch's loss by
+    ``accumulation`` and the strategy averages gradients over the ``data_parallel`` ranks: both are undone, so that
+    ``mean x targets here x data_parallel x accumulation / step_targets`` summed over the step is the step's mean.
+    """
+    return mean * target_count(labels) * (data_parallel * accumulation) / step_targets[0]
+
+
 def loss_bytes(tokens: int, vocab_size: int, hidden_size: int, itemsize: int, chunk_tokens: int,
                bias: bool = False) -> int:
     """Peak device bytes the loss holds beside its inputs, the model's activations and the gradients it hands back.

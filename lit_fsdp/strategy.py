@@ -8,6 +8,7 @@ full file. ``offload.SlideFSDPStrategy`` is the other strategy built on ``Causal
 
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from compress.communicator import CommStats
 from compress.config import CompressionConfig
 from compress.hook import GradientCompression
 from compress.torch_compat import bf16_native
@@ -33,6 +35,7 @@ from lit_fsdp.lightning_compat import optimizers_to_device as _optimizers_to_dev
 from lit_fsdp.lightning_compat import set_num_threads_if_needed as _set_num_threads_if_needed
 from lit_fsdp.parallelize import ShardingPlan, parallelize
 from lit_fsdp.reliability import AtomicCheckpoints, NonFiniteGuard, OnNonFinite
+from lit_fsdp.reporting import StrategyReport
 from lit_fsdp.weights import materialize
 
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
@@ -103,15 +106,7 @@ def check_device_memory(parameters: int, rows: int, mesh: tuple[int, ...], cpu_o
         )
     assert compression is not None
     per = compression.state_bytes_per_param(rows)
-    option = "--trainer.strategy.init_args.compression"
-    if compression.method == "powersgd":
-        what, fix = "PowerSGD's residuals and warm-start Qs", "use a method without built-in error feedback (e.g. int8)"
-    elif compression.method == "sketch":
-        what, fix = "Sketched-SGD's residuals", "use a method without built-in error feedback (e.g. int8)"
-    else:
-        what = "error-feedback residuals" + (" and DGC velocities" if compression.parameters().get("momentum") else "")
-        halve = f"{option}.residual_dtype bfloat16 (halves them) or " if compression.residual_dtype == "float32" else ""
-        fix = f"set {halve}{option}.error_feedback false"
+    what, fix = compression.state_advice("--trainer.strategy.init_args.compression")
     if states and kept <= device_bytes:
         fix += ", or move the model states to the host with --trainer.strategy.init_args.cpu_offload true"
     raise ValueError(
@@ -131,17 +126,50 @@ def check_precision(trainer: pl.Trainer, strategy: Any) -> None:
 
 @runtime_checkable
 class GradientCommHook(Protocol):
-    """Anything that changes how an FSDP2 module communicates gradients (e.g. compression).
+    """Everything FSDP2Strategy asks of a hook that changes how FSDP2 modules communicate gradients (compression's
+    ``compress.hook.GradientCompression``, or your own: subclass ``CommHook`` and write ``register``)."""
 
-    A hook with ``replaces_replicate_all_reduce = True`` averages across the replicate mesh dimension
-    itself (``set_all_reduce_hook``): the strategy then shards over the shard sub-mesh only.
-    """
+    #: True: the hook averages across the replicate mesh dimension itself (``set_all_reduce_hook``), and the strategy
+    #: shards over the shard sub-mesh only.
+    replaces_replicate_all_reduce: bool
+    #: The hook's counters (bytes, times, non-finite values the guard reads), or None for a hook that keeps none.
+    stats: CommStats | None
 
     def register(self, module: FSDPModule, mesh: DeviceMesh) -> None:
         """Install the hook on one FSDP module (``set_custom_reduce_scatter``, all-reduce hooks, ...)."""
 
+    def optimizer(self, params: Any, **adamw: Any) -> torch.optim.Optimizer | None:
+        """The optimizer the hook needs in place of AdamW (1-bit Adam's), built from AdamW's arguments; None: AdamW."""
 
-class CausalLMStrategy(NonFiniteGuard, AtomicCheckpoints, ModelParallelStrategy):
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's hook state (residuals, warm starts) that a checkpoint keeps: {} for none."""
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Adopt what ``state_dict`` returned, read back from a checkpoint."""
+
+
+class CommHook:
+    """The defaults of every ``GradientCommHook`` member but ``register``: no replicate all-reduce of its own, no
+    counters, AdamW, no state."""
+
+    replaces_replicate_all_reduce = False
+    stats = None
+
+    def register(self, module: FSDPModule, mesh: DeviceMesh) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must say how it installs itself on an FSDP module")
+
+    def optimizer(self, params: Any, **adamw: Any) -> torch.optim.Optimizer | None:
+        return None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, but the checkpoint holds {sorted(state)[:3]}")
+
+
+class CausalLMStrategy(NonFiniteGuard, AtomicCheckpoints, ModelParallelStrategy, StrategyReport):
     """The life cycle of a lit_fsdp strategy: process group and mesh, checks, placing the network, optimizers.
 
     A subclass says what its mesh is (``mesh_shape``), how it places ``LightningModule.model`` on the
@@ -259,6 +287,9 @@ class CausalLMStrategy(NonFiniteGuard, AtomicCheckpoints, ModelParallelStrategy)
         """The strategy's name in results records and sweeps (``slide_fsdp``; FSDP2 adds its sharding mode)."""
         return self.strategy_name
 
+    def compute_dtype(self) -> torch.dtype:
+        return self.resolve_dtype(self.param_dtype)
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         summary = (cls.__doc__ or cls.__name__).strip().splitlines()[0]
@@ -370,7 +401,7 @@ class FSDP2Strategy(CausalLMStrategy):
     def sharding_plan(self) -> ShardingPlan:
         param_dtype = self.resolve_dtype(self.param_dtype)
         mesh = self.device_mesh
-        if mesh.ndim == 2 and getattr(self.comm_hook, "replaces_replicate_all_reduce", False):
+        if mesh.ndim == 2 and self.comm_hook is not None and self.comm_hook.replaces_replicate_all_reduce:
             mesh = mesh["shard"]
         return ShardingPlan(
             mesh=mesh,
@@ -440,14 +471,16 @@ class FSDP2Strategy(CausalLMStrategy):
         if not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def compression_hook(self) -> GradientCompression | None:
+        return self.comm_hook if isinstance(self.comm_hook, GradientCompression) else None
+
     def replacement_optimizer(self, params: Any, **adamw: Any) -> torch.optim.Optimizer | None:
         """The optimizer the compression method needs instead of AdamW (1-bit Adam's), from AdamW's arguments; None: AdamW."""
-        build = getattr(self.comm_hook, "optimizer", None)
-        return build(params, **adamw) if build is not None else None
+        return self.comm_hook.optimizer(params, **adamw) if self.comm_hook is not None else None
 
     def nonfinite_values(self) -> int | torch.Tensor:
         """Non-finite values the compression hooks replaced by zeros since the last step, as a device count."""
-        stats = getattr(self.comm_hook, "stats", None)
+        stats = self.comm_hook.stats if self.comm_hook is not None else None
         total = stats.nonfinite_total() if stats is not None else None
         if total is None:
             return 0
@@ -458,18 +491,85 @@ class FSDP2Strategy(CausalLMStrategy):
     # --- the comm hook's state in checkpoints -------------------------------------------------------
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's sharded state, and this rank's compression state (residuals, warm starts) under its rank."""
-        state = super().lightning_module_state_dict()
-        hook_state = getattr(self.comm_hook, "state_dict", None)
-        if hook_state is not None and self._save_distributed_checkpoint:
-            state.update({f"{_HOOK_STATE}rank{self.global_rank}/{key}": value for key, value in hook_state().items()})
+        """The model's sharded state (with LoRA, the adapters only: the frozen base is read again from where it came),
+        and this rank's compression state (residuals, warm starts) under its rank."""
+        if getattr(self.lightning_module, "adapter_checkpoint", None) is None:
+            state = super().lightning_module_state_dict()
+        else:
+            state = self._trainable_state(full=not self._save_distributed_checkpoint)
+        if self.comm_hook is not None and self._save_distributed_checkpoint:
+            hook_state = self.comm_hook.state_dict()
+            state.update({f"{_HOOK_STATE}rank{self.global_rank}/{key}": value for key, value in hook_state.items()})
         return state
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        metadata = super().load_checkpoint(checkpoint_path, weights_only)
-        if hasattr(self.comm_hook, "load_state_dict"):
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not self._holds_adapters(path):
+            metadata = super().load_checkpoint(checkpoint_path, weights_only)
+        elif path.is_dir():
+            metadata = self._load_adapters(path)
+        else:  # one full file: Lightning loads the keys it holds, the adapters, when not strict
+            self.lightning_module.strict_loading = False
+            metadata = super().load_checkpoint(checkpoint_path, weights_only)
+        if self.comm_hook is not None:
             self._load_hook_state(Path(self.broadcast(str(checkpoint_path))))
         return metadata
+
+    def _holds_adapters(self, path: Path) -> bool:
+        """Whether ``path`` is a LoRA checkpoint (adapters only) for this run's base; refused in one line where one of
+        the two is LoRA and the other not, or where the checkpoint's base or adapters differ from this run's."""
+        from lit_fsdp import checkpoints, lora
+
+        self.verify_checkpoint(path)
+        saved = (checkpoints.inspect(path).manifest or {}).get("lora")
+        current = getattr(self.lightning_module, "adapter_checkpoint", None)
+        if saved is None and current is not None:
+            raise checkpoints.CheckpointError(
+                f"checkpoint {path} holds a whole model, not LoRA adapters; to fine-tune it with --model.lora, export "
+                f"it (python -m lit_fsdp export {path} FOLDER) and start from --model.pretrained_path FOLDER")
+        if saved is not None and current is None:
+            raise checkpoints.CheckpointError(
+                f"checkpoint {path} holds only LoRA adapters, for the base {saved['base']}; resume it with "
+                f"--model.lora '{json.dumps(saved['lora'])}' on that base, or export it merged: python -m lit_fsdp "
+                f"export {path} FOLDER")
+        if saved is not None:
+            lora.check_same_base(saved, current, path)
+        return saved is not None
+
+    def _trainable_state(self, full: bool) -> dict[str, Any]:
+        """The module's state without its frozen parameters (LoRA's base), under any of their names: torch's
+        ``ignore_frozen_params`` keeps a frozen head tied to the embeddings (torch 2.13)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from lit_fsdp.weights import clean_name
+
+        frozen = {clean_name(name) for name, param in self.model.named_parameters(remove_duplicate=False)
+                  if not param.requires_grad}
+        options = StateDictOptions(full_state_dict=full, cpu_offload=True, ignore_frozen_params=True)
+        return {key: value for key, value in get_model_state_dict(self.model, options=options).items()
+                if key not in frozen}
+
+    def _load_adapters(self, path: Path) -> dict[str, Any]:
+        """Read a sharded LoRA checkpoint: the trainable parameters and the optimizers' state (Lightning's loader
+        asks for every parameter, and the checkpoint holds no frozen one), then the metadata."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
+
+        from lit_fsdp import checkpoints
+        from lit_fsdp.lightning_compat import METADATA_FILENAME
+
+        state = {"state_dict": self._trainable_state(full=False)}
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(ignore_frozen_params=True,
+                                                                                       strict=False))
+        for index, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{index}"
+            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(optimizer_state, checkpoint_id=str(path))
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optimizer_state[key],
+                                     options=StateDictOptions(cpu_offload=True))
+        return checkpoints.load(path / METADATA_FILENAME)
 
     def _load_hook_state(self, path: Path) -> None:
         """Each rank reads back its own compression state (a collective); another world size starts it afresh."""

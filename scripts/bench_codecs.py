@@ -1,10 +1,11 @@
 """How fast each compressor encodes and decodes: ns per value and GB/s of fp32 input, per method and device.
 
 Each method compresses and decompresses one gradient-sized tensor (default 4M values, heavy-tailed like
-a real gradient) ``--repeats`` times after ``--warmup`` calls; the median of the timed calls is
-reported (device-synchronised on GPUs). ``torch.topk`` on the same tensor at the same k is a reference
-row for the sparsifiers' selection. Run it on an idle machine, with one thread (the default) to
-compare with a rank's single core:
+a real gradient), timed by ``torch.utils.benchmark.Timer`` (``median_seconds``): ``--warmup`` calls, then
+blocks of calls, for at least ``--repeats`` calls' time, until their spread is small; the median time per
+call is reported (the Timer synchronises the GPU at each reading). ``torch.topk`` on the same tensor at the
+same k is a reference row for the sparsifiers' selection. Run it on an idle machine, with one thread (the
+default) to compare with a rank's single core:
 
     python scripts/bench_codecs.py                      # CPU, 1 thread
     python scripts/bench_codecs.py --device cuda        # on a GPU
@@ -13,11 +14,11 @@ compare with a rank's single core:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from typing import Callable
 
 import torch
+from torch.utils import benchmark
 
 from compress.config import METHODS, CompressionConfig
 
@@ -26,22 +27,14 @@ from compress.config import METHODS, CompressionConfig
 SKIPPED = {"none", "powersgd", "sketch", "onebit_adam", "zero_one_adam"}
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn, device: torch.device, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def median_seconds(fn: Callable[[], object], threads: int, warmup: int, repeats: int) -> float:
+    """Median seconds per call of ``fn`` on ``threads`` CPU threads, by ``torch.utils.benchmark.Timer`` (which
+    synchronises the GPU at each reading): ``warmup`` calls (at least one: their mean sizes the run; the Timer adds
+    two), then ``adaptive_autorange``: blocks of calls (one call each for a codec at the default size), at least four
+    and ``repeats`` calls' time, until their spread (IQR) is within 10% of their median, or for 10 s."""
+    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=threads)
+    per_call = timer.timeit(max(warmup, 1)).mean
+    return timer.adaptive_autorange(min_run_time=repeats * per_call).median
 
 
 def gradient(n: int, device: torch.device) -> torch.Tensor:
@@ -55,8 +48,8 @@ def gradient(n: int, device: torch.device) -> torch.Tensor:
 def bench_method(method: str, x: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
     compressor = CompressionConfig(method=method).build(rank=0)
     payload = compressor.compress(x, "bench", 1)
-    encode = median_seconds(lambda: compressor.compress(x, "bench", 1), x.device, args.warmup, args.repeats)
-    decode = median_seconds(lambda: compressor.decompress(payload), x.device, args.warmup, args.repeats)
+    encode = median_seconds(lambda: compressor.compress(x, "bench", 1), args.threads, args.warmup, args.repeats)
+    decode = median_seconds(lambda: compressor.decompress(payload), args.threads, args.warmup, args.repeats)
     return {"encode_s": encode, "decode_s": decode, "ratio": x.numel() * 4 / payload.nbytes}
 
 
@@ -72,22 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--numel", type=int, default=4 * 2**20)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (a rank has about one core)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first")
+    parser.add_argument("--repeats", type=int, default=7, help="timed for at least this many calls' time")
     parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in SKIPPED])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     x = gradient(args.numel, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
-    print(f"{args.numel} fp32 values on {name}; median of {args.repeats} calls\n")
+    print(f"{args.numel} fp32 values on {name}; median per call over at least {args.repeats} calls' time\n")
     print("| method | encode ns/value | decode ns/value | both ns/value | GB/s of fp32 input | ratio vs fp32 |")
     print("|---|---|---|---|---|---|")
     for method in args.methods:
         result = bench_method(method, x, args)
         print(row(method, x.numel(), result["encode_s"], result["decode_s"], result["ratio"]), flush=True)
     k = max(1, int(0.01 * x.numel()))
-    select = median_seconds(lambda: torch.topk(x.abs(), k, sorted=False), device, args.warmup, args.repeats)
+    select = median_seconds(lambda: torch.topk(x.abs(), k, sorted=False), args.threads, args.warmup, args.repeats)
     print(row("torch.topk (k = 1%, reference)", x.numel(), select, 0.0, None))
     return 0
 

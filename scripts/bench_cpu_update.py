@@ -4,10 +4,11 @@ Each row times one update of one unit of ``--numel`` parameters, the staging cop
 loads) included. *Two passes* is what SlideFSDP ran before: torch's fused AdamW over the whole tensors, then the
 staging copy rewritten from the master in a pass of its own. *One pass* is ``offload.cpu_adam.CpuAdam.update``
 today: the same kernel per cache-sized chunk, each chunk's new weights written to the staging copy while in cache,
-with float32 moments and a float32 or bfloat16 gradient (SlideFSDP's default on GPUs), or bfloat16 moments. The
-median of ``--repeats`` updates after one warm-up is reported, with the host bytes the pass reads and writes by
-construction (the chunked update's float32 temporaries stay in cache and are not counted). One JSON line per row
-and thread count goes to ``--out``.
+with float32 moments and a float32 or bfloat16 gradient (SlideFSDP's default on GPUs), or bfloat16 moments. Updates
+are timed by ``torch.utils.benchmark.Timer`` after warm-up updates, for at least ``--repeats`` updates' time, until
+their spread is small; the median is reported, with the host bytes the pass reads and writes by construction (the
+chunked update's float32 temporaries stay in cache and are not counted). One JSON line per row and thread count
+goes to ``--out``.
 
     python scripts/bench_cpu_update.py --threads 1 2
 """
@@ -17,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+from torch.utils import benchmark
 
 from compress.layout import UnitLayout
 from offload.cpu_adam import CHUNK, CpuAdam
@@ -43,9 +43,11 @@ def bytes_per_param(state_dtype: torch.dtype, gradient_dtype: torch.dtype, one_p
 
 
 def time_update(numel: int, state_dtype: torch.dtype, gradient_dtype: torch.dtype, one_pass: bool,
-                repeats: int, chunk: int = CHUNK) -> list[float]:
-    """Seconds of each of ``repeats`` updates of one ``numel``-parameter unit (one pass: ``chunk`` elements at a
-    time), after one warm-up update."""
+                repeats: int, chunk: int = CHUNK, threads: int = 1) -> benchmark.Measurement:
+    """Updates of one ``numel``-parameter unit (one pass: ``chunk`` elements at a time) on ``threads`` threads, timed
+    by ``Timer.adaptive_autorange`` after three warm-up updates (the Timer's two, and one whose time sizes the run):
+    blocks of updates (one each at the default size), at least four and ``repeats`` updates' time, until their
+    spread (IQR) is within 10% of their median, or for 10 s. ``.times``: seconds per update of each block."""
     held_param = torch.nn.Parameter(torch.empty(numel, device="meta"))  # the held optimizer's: no values
     layout = UnitLayout.build("unit", [(("weight",), held_param)], shards=1, shard_rank=0)
     master = torch.randn(numel)
@@ -66,12 +68,9 @@ def time_update(numel: int, state_dtype: torch.dtype, gradient_dtype: torch.dtyp
             fused.step()
             staging.copy_(master)
     try:
-        times = []
-        for _ in range(1 + repeats):
-            start = time.perf_counter()
-            update()
-            times.append(time.perf_counter() - start)
-        return times[1:]
+        timer = benchmark.Timer("update()", globals={"update": update}, num_threads=threads)
+        per_update = timer.timeit(1).mean
+        return timer.adaptive_autorange(min_run_time=repeats * per_update)
     finally:
         if one_pass:
             adam.close()
@@ -81,13 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=64 * 2**20, help="parameters in the unit (one rank's rows)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1], help="torch CPU thread counts to run, in turn")
-    parser.add_argument("--repeats", type=int, default=5, help="timed updates per row (median reported)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed for at least this many updates' time per row (median reported)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[CHUNK], help="elements per chunk of the one-pass rows")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_cpu_update/results.jsonl"))
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    print(f"{args.numel:,} parameters; median of {args.repeats} updates; "
+    print(f"{args.numel:,} parameters; median over at least {args.repeats} updates' time; "
           f"1-minute load average {load:.2f} on {os.cpu_count()} CPUs\n")
     print("| row | chunk | threads | ns/param | B/param read+written | GB/s |")
     print("|---|---|---|---|---|---|")
@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for (name, state_dtype, gradient_dtype, one_pass), chunk in cases:
-            times = time_update(args.numel, state_dtype, gradient_dtype, one_pass, args.repeats, chunk or CHUNK)
-            seconds, nbytes = statistics.median(times), bytes_per_param(state_dtype, gradient_dtype, one_pass)
+            measured = time_update(args.numel, state_dtype, gradient_dtype, one_pass, args.repeats, chunk or CHUNK,
+                                   threads)
+            times, seconds = measured.times, measured.median
+            nbytes = bytes_per_param(state_dtype, gradient_dtype, one_pass)
             record = {
                 "row": name, "optimizer_state_dtype": str(state_dtype).removeprefix("torch."),
                 "gradient_dtype": str(gradient_dtype).removeprefix("torch."), "one_pass": one_pass, "numel": args.numel,

@@ -93,7 +93,7 @@ def _meminfo() -> dict[str, float]:
 def _cpu_view(device: str) -> dict[str, Any]:
     """Cores as SlideFSDP's CPU binding sees them, and the update threads it would use (``offload.cpu_binding``)."""
     from offload.cpu_binding import numa_node_of, pci_address, physical_cores, plan_binding
-    from offload.strategy import describe_cores, update_threads
+    from offload.preflight import describe_cores, update_threads
 
     allowed = os.sched_getaffinity(0)
     quota = None

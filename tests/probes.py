@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from compress.torch_compat import ReduceScatter, checkpoint_wrapper
+from lit_fsdp.strategy import CommHook
 
 
 class RecordBatches(pl.Callback):
@@ -66,7 +67,7 @@ class CountingReduceScatter(ReduceScatter):
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-class CountReduceScatters:
+class CountReduceScatters(CommHook):
     """A ``comm_hook`` for FSDP2Strategy: records every gradient reduce-scatter of every FSDP module (numel, dtype)."""
 
     def __init__(self, path: str):

@@ -13,6 +13,8 @@ from tests.helpers import HIDDEN, INNER, LAYERS, REPO, fit, interrupted_and_whol
 
 METHOD_CONFIGS = sorted(p.stem for p in REPO.glob("configs/*.yaml") if "compression:" in p.read_text())
 ODD_VOCAB = ["--data.vocab_size", "509"]  # rows that do not divide by the world size: FSDP pads the shards
+# compress/* and compression.json: fit() replaces the standard callbacks, the method configs' too
+STATS = [{"class_path": "callbacks.CompressionStats"}]
 
 
 def test_every_method_has_a_config():
@@ -104,7 +106,7 @@ def implied_ratio(config: dict) -> float | None:
 @pytest.mark.parametrize("config", [c for c in METHOD_CONFIGS if c != "baseline" and c not in SAME_PATH])
 def test_each_method_tracks_the_uncompressed_loss_and_sends_what_its_config_implies(tmp_path, config, baseline_losses):
     metrics = fit(tmp_path, "--config", str(REPO / "configs" / f"{config}.yaml"), *ODD_VOCAB,
-                  *EARLY_START.get(config, []), steps=STEPS)
+                  *EARLY_START.get(config, []), steps=STEPS, callbacks=STATS)
     losses = metrics["train/loss"]
     assert all(math.isfinite(loss) for loss in losses) and len(losses) == STEPS
     assert losses[-1] == pytest.approx(baseline_losses[-1], abs=LOSS_TOLERANCE[config])
@@ -124,7 +126,7 @@ def test_replicate_paths_train_and_compress(tmp_path, sharding, method):
         tmp_path, "--config", str(REPO / "configs" / f"{method}.yaml"), *ODD_VOCAB, *EARLY_START.get(method, []),
         "--trainer.strategy.init_args.sharding", sharding,
         *(["--trainer.strategy.init_args.replicate_size", "2"] if sharding == "HYBRID_SHARD" else []),
-        steps=5,
+        steps=5, callbacks=STATS,
     )
     losses = metrics["train/loss"]
     assert losses[-1] < losses[0]

@@ -198,7 +198,8 @@ def test_slide_fsdp_on_gpus_binds_each_rank_to_its_share_and_takes_its_update_th
     what was planned); ``cpu_binding: none`` and CPU runs leave affinity alone."""
     import torch
 
-    from offload import strategy as slide
+    from offload import SlideFSDPStrategy
+    from offload import preflight as slide
 
     bound = []
     monkeypatch.setattr(slide, "pci_address", lambda index: GPUS[index])
@@ -206,7 +207,7 @@ def test_slide_fsdp_on_gpus_binds_each_rank_to_its_share_and_takes_its_update_th
     monkeypatch.setattr(slide.os, "sched_getaffinity", lambda pid: set(range(128)))
 
     def on_gpus(**knobs):
-        strategy = slide.SlideFSDPStrategy(**knobs)
+        strategy = SlideFSDPStrategy(**knobs)
         strategy.parallel_devices = [torch.device("cuda", index) for index in range(4)]
         strategy.cluster_environment = SimpleNamespace(local_rank=lambda: 3)
         return strategy
@@ -215,11 +216,11 @@ def test_slide_fsdp_on_gpus_binds_each_rank_to_its_share_and_takes_its_update_th
     assert binding.node == 1 and binding.threads == 8 - 2
     assert bound == [set(binding.cpus)] and binding.cpus == parse_cpu_list("24-31,88-95")
     assert on_gpus(cpu_binding="none").bind_cpus(two_nodes) is None
-    on_cpu = slide.SlideFSDPStrategy()
+    on_cpu = SlideFSDPStrategy()
     on_cpu.parallel_devices = [torch.device("cpu")]
     assert on_cpu.bind_cpus(two_nodes) is None and len(bound) == 1
     with pytest.raises(ValueError, match="cpu_binding='nodes': set it to numa or none"):
-        slide.SlideFSDPStrategy(cpu_binding="nodes")
+        SlideFSDPStrategy(cpu_binding="nodes")
 
 
 def test_a_gpu_rank_states_its_update_threads_and_what_cut_them(two_nodes, monkeypatch):
@@ -227,13 +228,14 @@ def test_a_gpu_rank_states_its_update_threads_and_what_cut_them(two_nodes, monke
     siblings, binding); a cgroup quota of 24 CPUs over 4 ranks leaves 5 threads each, under the binding's 6."""
     import torch
 
-    from offload import strategy as slide
+    from offload import SlideFSDPStrategy
+    from offload import preflight as slide
 
     monkeypatch.setattr(slide, "pci_address", lambda index: GPUS[index])
     monkeypatch.setattr(slide, "bind_process", lambda cpus: None)
     monkeypatch.setattr(slide.os, "sched_getaffinity", lambda pid: parse_cpu_list("0-31,64-95"))  # both nodes
     monkeypatch.setattr(slide, "core_limits", lambda: (64, 24.0))
-    strategy = slide.SlideFSDPStrategy(control_cores=2)
+    strategy = SlideFSDPStrategy(control_cores=2)
     strategy.parallel_devices = [torch.device("cuda", index) for index in range(4)]
     strategy.cluster_environment = SimpleNamespace(local_rank=lambda: 3)
     threads, reason = strategy.plan_update_threads(two_nodes)

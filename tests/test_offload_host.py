@@ -103,7 +103,7 @@ def test_a_full_ring_raises_the_workers_error_instead_of_waiting_forever(monkeyp
 
 
 def test_update_threads_share_the_usable_cores_and_leave_one_for_launching_kernels(monkeypatch):
-    from offload import strategy
+    from offload import preflight as strategy
 
     monkeypatch.setattr(strategy.os, "sched_getaffinity", lambda pid: set(range(16)))  # a 16-core affinity mask
     monkeypatch.setattr(strategy.Path, "read_text", lambda self: "400000 100000\n")  # a cgroup quota of 4 CPUs
@@ -452,7 +452,8 @@ def test_a_delayed_update_applies_each_steps_gradient_and_learning_rate_during_t
 def test_host_memory_gb_replaces_memavailable_where_a_vm_grants_memory_as_it_is_used(monkeypatch):
     """Issue 26: on a VM whose MemAvailable starts far below what it will grant, the preflight refused a run that fits;
     ``host_memory_gb`` states the memory instead, and each refusal names where its figure came from."""
-    from offload import strategy as slide
+    from offload import SlideFSDPStrategy
+    from offload import preflight as slide
 
     strategy, trainer, module, data = _llama_8b_offload()
     strategy.optimizer_state_dtype = "bfloat16"  # 82.6 GiB in all

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from compress.communicator import CommStats, CompressedReduceScatter
 from compress.config import CompressionConfig
-from compress.onebit_adam import OneBitAdam, OneBitMomentum
+from compress.onebit_adam import OneBitAdam
+from compress.onebit_momentum import OneBitMomentum
 from tests.distributed import run
 from tests.helpers import SHARD, batch, gradient, loss_of, optimizer_for, sharded_model
 

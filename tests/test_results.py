@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from lit_fsdp.commands.cli import CALLBACKS
 from tests.helpers import REPO, fit
 
 REQUIRED = (
@@ -14,8 +15,9 @@ REQUIRED = (
 
 
 def test_an_int8_run_appends_one_record_with_plausible_figures(tmp_path):
+    # int8.yaml's callbacks: the standard list (which fit() would replace) and its comm_profiler
     fit(tmp_path, "--config", str(REPO / "configs" / "int8.yaml"), "--trainer.limit_val_batches", "2",
-        "--trainer.val_check_interval", "10", steps=10)
+        "--trainer.val_check_interval", "10", steps=10, callbacks=CALLBACKS)
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(records) == 1
     record = records[0]

@@ -24,6 +24,7 @@ from callbacks.compression import CompressionStats
 from compress.communicator import PayloadMover
 from compress.config import METHODS, CompressionConfig
 from compress.hook import GradientCompression
+from lit_fsdp.reporting import StrategyReport
 from tests.distributed import run
 from tests.fake_cuda import FakeGpu
 from tests.helpers import batch, loss_of, optimizer_for, sharded_model
@@ -285,6 +286,21 @@ def test_the_nonfinite_guard_syncs_once_per_optimizer_step(measured, sharding):
         f"{found}, in {', '.join(where)}" for found, where in over.items())
 
 
+class CompressingStrategy(StrategyReport):
+    """A strategy as the callbacks see it (``lit_fsdp.reporting``), with a compression hook and nothing else."""
+
+    label = "fsdp2"
+
+    def __init__(self, hook: GradientCompression):
+        self.hook = hook
+
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def compression_hook(self) -> GradientCompression:
+        return self.hook
+
+
 @pytest.mark.parametrize("step", STEP_READ_BUDGET)
 def test_the_compression_callbacks_step_read_stays_within_its_budget(monkeypatch, step):
     gpu = FakeGpu(monkeypatch)
@@ -297,7 +313,7 @@ def test_the_compression_callbacks_step_read_stays_within_its_budget(monkeypatch
     mover.sample([mover.compress(row, "unit0/0", mover.next_seed())], [row], ["unit0/0"])
     with mover.timed("extra_collective_s", torch.device("cuda", 0)):
         gpu.run(1)
-    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(comm_hook=hook), global_step=1, loggers=[],
+    trainer = types.SimpleNamespace(strategy=CompressingStrategy(hook), global_step=1, loggers=[],
                                     fit_loop=types.SimpleNamespace(_should_accumulate=lambda: False))
     callback = CompressionStats(sample_every_n_steps=1)
     with SyncCounter() as counter:

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from compress.communicator import CommStats
 from compress.config import CompressionConfig
-from compress.onebit_adam import (
-    EXACT, LOCAL, ONEBIT, SYNC, OneBitAdam, OneBitAdamReduceScatter, OneBitMomentum, ZeroOnePhase,
-)
+from compress.onebit_adam import OneBitAdam
+from compress.onebit_communicator import OneBitAdamReduceScatter
+from compress.onebit_momentum import EXACT, LOCAL, ONEBIT, SYNC, OneBitMomentum, ZeroOnePhase
 from tests.distributed import run
 from tests.helpers import SHARD, fit, gradient, interrupted_and_whole_losses
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import warnings
@@ -14,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
+from callbacks.comm_profiler import CommProfiler
 from callbacks.progress_bar import progress_bar
 from callbacks.run_folder import compression_method, run_name
 import offload  # noqa: F401  (registers the slide_fsdp strategy name)
@@ -36,6 +38,27 @@ TRAINER_DEFAULTS = {
     "limit_val_batches": 8,
     "log_every_n_steps": 10,
 }
+
+#: Every run's callbacks: the default of ``trainer.callbacks``. A config or ``--trainer.callbacks`` that lists
+#: callbacks replaces them (``[]``: none); ``--trainer.callbacks+=CLASS``, or ``callbacks+:`` in a config, adds one.
+#: A parser default, not Lightning's ``trainer_defaults``: those are appended after parsing, where no config can take
+#: them out. ``--trainer.enable_checkpointing false`` leaves this list's ModelCheckpoint out (``_no_checkpoints``).
+CALLBACKS: list[dict[str, Any]] = [
+    # to <default_root_dir>/checkpoints (_preflight); resume with --ckpt_path last; read by generate and evaluate
+    {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+     "init_args": {"save_last": True, "every_n_train_steps": 100}},
+    {"class_path": "callbacks.Throughput"},  # tokens/s in the progress bar; throughput.json
+    {"class_path": "callbacks.Memory"},
+    {"class_path": "callbacks.CompressionStats"},  # compress/*, compression.json; does nothing without compression
+    {"class_path": "callbacks.Quality"},  # history.jsonl: the loss curve compare_runs draws
+    {"class_path": "callbacks.Results"},  # results.jsonl: the run's record, with the others' summaries
+]
+COMM_PROFILER = (
+    "add callbacks.CommProfiler (torch.profiler on optimizer steps 8-10: time per collective, compute, overlap; "
+    "traces in <run folder>/profiler) unless trainer.callbacks has one. The method configs (baseline.yaml too) and "
+    "offload.yaml turn it on; off by default, as its profiled steps run slower, inside those Throughput measures, "
+    "and every rank writes a trace (2.6 MB each for the quickstart on 2 CPU processes; more with GPU kernels)"
+)
 
 # Deprecations inside Lightning that a user cannot act on, silenced by message and by the module they arise in
 # (every rank imports this module). Lightning's flattening of the dataloaders builds a LeafSpec, which torch's
@@ -78,6 +101,8 @@ class LitFsdpCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults({"data": {"class_path": "lit_fsdp.data.synthetic.SyntheticDataModule"}})
+        parser.set_defaults({"trainer.callbacks": copy.deepcopy(CALLBACKS)})
+        parser.add_argument("--comm_profiler", type=bool, default=False, help=COMM_PROFILER)
         # Taken (and refused in one line) rather than left out, so that a config naming them is told why.
         for name in REFUSED_OPTIMIZATION:
             parser.add_argument(f"--{name}", type=Optional[Union[str, dict]], default=None,
@@ -90,6 +115,18 @@ class LitFsdpCLI(LightningCLI):
             if given is not None:
                 shown = given.get("class_path", given) if isinstance(given, dict) else given
                 raise ValueError(f"--{name} {shown} is not supported: {OWN_OPTIMIZATION}")
+        self._no_checkpoints()
+
+    def _no_checkpoints(self) -> None:
+        """``--trainer.enable_checkpointing false`` takes the standard list's ModelCheckpoint out as it turns off
+        Lightning's own (Lightning refuses a ModelCheckpoint with it); one a config lists stays, and is refused."""
+        trainer = self._get(self.config, "trainer")
+        if trainer.get("enable_checkpointing") is not False:
+            return
+        standard = self._parser(self.subcommand).get_defaults()["trainer.callbacks"][0]
+        callbacks = trainer.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        trainer["callbacks"] = [callback for callback in callbacks if callback != standard]
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
@@ -150,7 +187,8 @@ class LitFsdpCLI(LightningCLI):
                                     f"the checkpoint {path}")
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The trainer, with our progress bar (short names, no ``Epoch 2/-2``) unless it is off or one is configured."""
+        """The trainer, with a CommProfiler if ``comm_profiler`` asks for one and none is listed, and our progress bar
+        (short names, no ``Epoch 2/-2``) unless it is off or one is configured."""
         config = self._get(self.config_init, "trainer", default={})
         accelerator = config.get("accelerator")
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # Lightning's own answer is a traceback
@@ -159,9 +197,12 @@ class LitFsdpCLI(LightningCLI):
                              f"{torch.__version__}, built with {build}); use --trainer.accelerator cpu, or run on a "
                              "machine with an NVIDIA GPU and a CUDA build of torch")
         callbacks = config.get("callbacks") or []
-        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        if self._get(self.config_init, "comm_profiler") and not any(isinstance(c, CommProfiler) for c in callbacks):
+            callbacks.append(CommProfiler())
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            kwargs.setdefault("callbacks", [*callbacks, progress_bar()])
+            callbacks.append(progress_bar())
+        kwargs.setdefault("callbacks", callbacks)
         return super().instantiate_trainer(**kwargs)
 
     before_fit = before_validate = _preflight

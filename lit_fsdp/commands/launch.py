@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Before the caller's arguments, so they can be overridden: a CSV log in the run folder, no progress bar in the log.
 LAUNCH_DEFAULTS = ("--trainer.enable_progress_bar", "false", "--trainer.logger", "lightning.pytorch.loggers.CSVLogger")
 

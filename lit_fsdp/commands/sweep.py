@@ -31,10 +31,11 @@ from typing import Any, Sequence, get_args
 
 import yaml
 
+from lit_fsdp.commands.cli import CALLBACKS
 from lit_fsdp.commands.launch import launch  # bench scripts import it from here too
 from lit_fsdp.strategy import FSDP2Strategy, Sharding
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 METHODS = [p.stem for p in sorted(REPO.glob("configs/*.yaml")) if "compression:" in p.read_text()]
 # --strategies: named as the results records name them (the strategy's ``label``).
@@ -58,8 +59,10 @@ def _last(configs: Sequence[Path], *keys: str) -> Any:
 
 
 def run_callbacks(configs: Sequence[Path], run_name: str, quality: dict[str, float]) -> list[dict[str, Any]]:
-    """The configs' callbacks plus what compare_runs reads: Results (with ``run_name``), Quality, Throughput, CompressionStats."""
-    entries = [{"class_path": c} if isinstance(c, str) else dict(c) for c in _last(configs, "trainer", "callbacks") or []]
+    """The configs' callbacks (the CLI's standard list where they name none) plus what compare_runs reads: Results (with
+    ``run_name``), Quality, Throughput, CompressionStats."""
+    listed = _last(configs, "trainer", "callbacks")
+    entries = [{"class_path": c} if isinstance(c, str) else dict(c) for c in (CALLBACKS if listed is None else listed)]
     for class_path, init_args in (
         ("callbacks.Results", {"run_name": run_name}), ("callbacks.Quality", quality),
         ("callbacks.Throughput", {}), ("callbacks.CompressionStats", {}),

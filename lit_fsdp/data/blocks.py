@@ -117,7 +117,7 @@ class BlockDataModule(pl.LightningDataModule):
                 f"{self.dataset_name}: {len(dataset)} blocks cannot fill one batch of {self.batch_size} on {world} "
                 f"processes; lower --data.batch_size or --data.seq_len, or add data"
             )
-        sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, seed=self.seed, shuffle=shuffle)
+        sampler = self._sampler(dataset, world, rank, shuffle)
         if resume is not None:
             epoch, consumed = resume
             sampler.resume(epoch, consumed * self.batch_size)
@@ -129,6 +129,10 @@ class BlockDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
+
+    def _sampler(self, dataset: Dataset, world: int, rank: int, shuffle: bool) -> ResumableSampler:
+        """The sampler of a loader; a subclass may return one that yields more than an index (its dataset reads it)."""
+        return ResumableSampler(dataset, num_replicas=world, rank=rank, seed=self.seed, shuffle=shuffle)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True, resume=self._resume)

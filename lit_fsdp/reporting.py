@@ -1,0 +1,80 @@
+"""What callbacks read from a strategy, declared: ``StrategyReport``, which lit_fsdp's strategies subclass.
+
+Callbacks (``callbacks/``) measure any Lightning run; they never probe a strategy's attributes. They call
+``strategy_report(trainer)``: a lit_fsdp strategy answers for itself, and any other strategy (Lightning's own, in a
+run built without the CLI) through ``LightningStrategyReport``, which has no compression and no offload.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Protocol
+
+import lightning.pytorch as pl
+import torch
+
+if TYPE_CHECKING:
+    from compress.config import CompressionConfig
+    from compress.hook import GradientCompression
+
+
+class OffloadReport(Protocol):
+    """What SlideFSDP tells ``callbacks.OffloadStats`` once its engine is built."""
+
+    #: The pieces of a layer-streaming strategy's step: ``h2d_bytes``, ``h2d_s``, ``d2h_bytes``, ``d2h_s``,
+    #: ``cpu_update_s``, ``cpu_update_hidden_s``, ``device_backward_s``, ``host_backward_s``; None before the first.
+    last_step: Any
+    #: How many CPU update threads, and why (the run record keeps it).
+    update_threads_reason: str
+
+    def host_state_bytes(self) -> int:
+        """This rank's host buffers (weights, moments, gradients, staging), as allocated."""
+
+    def parameter_count(self) -> int:
+        """The model's parameters."""
+
+    def host_buffer_estimate(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> dict[str, int]:
+        """What the host-memory preflight counted for the same buffers, per node, by buffer."""
+
+
+class StrategyReport(ABC):
+    """The figures a strategy gives the callbacks (``callbacks/``): its name, compression, dtype and offload."""
+
+    #: The strategy's name in results records and sweeps (``ddp``, ``fsdp2``, ``slide_fsdp``, ...).
+    label: str
+    #: Every k-th block recomputes its forward in the backward (0: none); the FLOP count of MFU adds it.
+    activation_checkpointing: int = 0
+
+    #: The gradient compression configuration; None without one.
+    compression: CompressionConfig | None = None
+
+    @abstractmethod
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the matmuls run in (MFU's peak)."""
+
+    def compression_hook(self) -> GradientCompression | None:
+        """The installed gradient compression hook (its counters and state), None where gradients go uncompressed."""
+        return None
+
+    def offload_report(self) -> OffloadReport | None:
+        """The layer streaming's figures, None for a strategy that streams nothing (or before its engine is built)."""
+        return None
+
+
+class LightningStrategyReport(StrategyReport):
+    """The report of a strategy that is not lit_fsdp's: its class name, the trainer's precision, nothing else."""
+
+    def __init__(self, trainer: pl.Trainer):
+        self.label = type(trainer.strategy).__name__
+        self._precision = str(trainer.precision)  # "bf16-mixed", "16-mixed", "32-true", ...
+
+    def compute_dtype(self) -> torch.dtype:
+        if self._precision.startswith("bf16"):
+            return torch.bfloat16
+        return torch.float16 if self._precision.startswith("16") else torch.float32
+
+
+def strategy_report(trainer: pl.Trainer) -> StrategyReport:
+    """The trainer's strategy as the callbacks see it."""
+    strategy = trainer.strategy
+    return strategy if isinstance(strategy, StrategyReport) else LightningStrategyReport(trainer)
