@@ -65,9 +65,12 @@ class GradientCompression:
         communicator = self.config.communicator
         if self.compressor is None or communicator is None:  # method none: the gradients take FSDP2's own path
             return
+        whole = unit_layout(module, shard.size(), 0)
+        if not whole.places:  # nothing to train in this unit (a LoRA model's root): FSDP2 reduces no gradient of it
+            return
         size_check = self.config.size_check()
         if size_check is not None:  # e.g. a low rank larger than a chunk's matrix: fail before the first step
-            size_check(unit_layout(module, shard.size(), 0).shard_numel)  # elements per destination row
+            size_check(whole.shard_numel)  # elements per destination row
         # the reduce-scatter's input is the unit's rank-major flat gradient; the replicate all-reduce's, this rank's
         # shard of it: the same layout describes both
         layout = {"layout": unit_layout(module, shard.size(), shard.get_local_rank())} if communicator.layout else {}

@@ -144,9 +144,11 @@ class UnitLayout:
 
 
 def unit_layout(module: torch.nn.Module, world: int, rank: int) -> UnitLayout:
-    """The flat layout of an FSDP module's gradient reduce-scatter: its own parameters, by rows over ``world`` ranks."""
+    """The flat layout of an FSDP module's gradient reduce-scatter: its own trainable parameters, by rows over ``world``
+    ranks. FSDP2 reduces only the gradients that exist: a frozen parameter (a LoRA base weight) has no place in it."""
     from torch.distributed.fsdp import FSDPModule
 
     nested = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
-    params = [((str(i),), p) for i, p in enumerate(p for p in module.parameters() if id(p) not in nested)]
+    own = (p for p in module.parameters() if id(p) not in nested and p.requires_grad)
+    params = [((str(i),), p) for i, p in enumerate(own)]
     return UnitLayout.build(type(module).__name__, params, world, rank)

@@ -30,12 +30,15 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lit_fsdp.errors import RunError
 from lit_fsdp.lightning_compat import METADATA_FILENAME
+
+if TYPE_CHECKING:
+    from lit_fsdp.lora import LoraConfig
 
 MANIFEST = "lit_fsdp_manifest.json"
 MANIFEST_KEY = "lit_fsdp_manifest"  # in a full-file checkpoint
@@ -62,7 +65,11 @@ def manifest_for(trainer: Any) -> dict[str, Any]:
     datamodule = getattr(trainer, "datamodule", None)
     batch_size = getattr(datamodule, "batch_size", None)
     position = datamodule.state_dict() if hasattr(datamodule, "state_dict") else {}
+    # LoRA: the checkpoint holds the adapters only, and names the frozen base they need (lit_fsdp.lora.base_record)
+    adapters = getattr(getattr(trainer, "lightning_module", None), "adapter_checkpoint", None)
+    lora = {} if adapters is None else {"weights": "LoRA adapters only, without the frozen base", "lora": adapters}
     return {
+        **lora,
         "format": FORMAT,
         "step": trainer.global_step,
         "epoch": trainer.current_epoch,
@@ -308,23 +315,31 @@ class CheckpointSize:
         return int((self.weights + (0 if weights_only else self.training_state)) * (1 + SPACE_MARGIN))
 
 
-def checkpoint_size(strategy: Any, config: Any, world: int, nodes: int) -> CheckpointSize:
+def checkpoint_size(strategy: Any, config: Any, world: int, nodes: int,
+                    lora: LoraConfig | dict[str, Any] | None = None) -> CheckpointSize:
     """The bytes of one checkpoint of ``config``'s model saved by ``strategy``: all of it, as on one disk.
 
     Counted: float32 weights under every parameter name (FSDP2's and SlideFSDP's master, DDP's model; a tied
     head under each of its names), AdamW's two moments per parameter in the strategy's ``optimizer_state_dtype``
     (SlideFSDP; float32 elsewhere) and, where the strategy saves it (FSDP2's sharded checkpoints), every rank's
-    compression state as ``CompressionConfig.state_bytes`` counts it; then ``SPACE_MARGIN`` more.
+    compression state as ``CompressionConfig.state_bytes`` counts it; then ``SPACE_MARGIN`` more. With ``lora``
+    (``--model.lora``) the checkpoint holds the adapters, their moments and compression state only, no frozen base.
     """
     from transformers import AutoModelForCausalLM
+
+    from lit_fsdp.lora import adapter_parameters
 
     with torch.device("meta"):
         network = AutoModelForCausalLM.from_config(config)
     named = sum(p.numel() for _, p in network.named_parameters(remove_duplicate=False))
     unique = sum(p.numel() for p in network.parameters())
+    weights = "float32 weights"
+    if adapters := adapter_parameters(network, lora):
+        named = unique = adapters
+        weights = "LoRA adapters' float32 weights (no frozen base)"
     dtype = getattr(strategy, "optimizer_state_dtype", "float32")
     state = unique * 2 * getattr(torch, dtype).itemsize
-    counted = f"float32 weights, AdamW's two moments in {dtype}"
+    counted = f"{weights}, AdamW's two moments in {dtype}"
     compression = getattr(strategy, "compression", None)
     # FSDP2 puts each rank's compression state in sharded checkpoints only (FSDP2Strategy.lightning_module_state_dict)
     if compression is not None and compression.active and getattr(strategy, "_save_distributed_checkpoint", False):
@@ -379,10 +394,11 @@ def _on_disk(path: Path) -> int:
     return path.stat().st_size if path.is_file() and not path.is_symlink() else 0
 
 
-def check_space(trainer: Any, config: Any) -> None:
+def check_space(trainer: Any, config: Any, lora: LoraConfig | dict[str, Any] | None = None) -> None:
     """Fail in one line, before launch, when a disk cannot hold the checkpoints that the ModelCheckpoint callbacks
-    on it have at once (``copies_at_once`` x ``checkpoint_size``); checkpoints already in their folders count as
-    free (a resumed run replaces them). Without a callback that saves, nothing is checked."""
+    on it have at once (``copies_at_once`` x ``checkpoint_size``, of the adapters only with ``lora``); checkpoints
+    already in their folders count as free (a resumed run replaces them). Without a callback that saves, nothing is
+    checked."""
     plans = []
     for callback in trainer.checkpoint_callbacks:
         if not hasattr(callback, "save_top_k"):
@@ -395,7 +411,7 @@ def check_space(trainer: Any, config: Any) -> None:
     if not plans:
         return
     world = trainer.num_nodes * trainer.num_devices
-    size = checkpoint_size(trainer.strategy, config, world, trainer.num_nodes)
+    size = checkpoint_size(trainer.strategy, config, world, trainer.num_nodes, lora)
     by_disk: dict[int, list] = {}
     for plan in plans:
         by_disk.setdefault(os.stat(plan[1]).st_dev, []).append(plan)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,12 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from lit_fsdp import lora as lora_adapters
 from lit_fsdp.data.tokenizer import tokenizer_files
-from lit_fsdp.errors import OneLineError
+from lit_fsdp.errors import OneLineError, RunError
 from lit_fsdp.lightning_compat import reopen_cut_epoch
-from lit_fsdp.loss import LossHead
+from lit_fsdp.lora import LoraConfig
+from lit_fsdp.loss import IGNORE_INDEX, LossHead, step_normalised, target_count
 from lit_fsdp.presets import build_config
 from lit_fsdp.weights import init_by_unit, load_by_shard, parameters_on_meta
 
@@ -40,6 +43,7 @@ class CausalLM(pl.LightningModule):
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
         loss_chunk_tokens: int = 1024,
+        lora: LoraConfig | None = None,
     ):
         """
         Args:
@@ -54,8 +58,12 @@ class CausalLM(pl.LightningModule):
             min_lr_ratio: Final learning rate as a fraction of the peak.
             loss_chunk_tokens: Tokens whose full-vocabulary logits the loss makes at once (the head computes the
                 loss and its gradient chunk by chunk, so a step's whole logits never exist); 0 for the plain loss.
+            lora: Train low-rank adapters on the frozen model instead of the model, e.g. ``{rank: 16, alpha: 32}``
+                (``lit_fsdp.lora.LoraConfig``); checkpoints then hold only the adapters.
         """
         super().__init__()
+        self._lora = lora_adapters.as_config(lora)
+        lora = None if self._lora is None else asdict(self._lora)  # saved as a plain dict: checkpoints load weights_only
         self.save_hyperparameters()
         self._logged_nonfinite_steps: int | None = None
         # An unknown preset, an unreadable config.json or a bad override fails here, before any process starts.
@@ -68,9 +76,13 @@ class CausalLM(pl.LightningModule):
         if loss_chunk_tokens < 0:
             raise ValueError(f"--model.loss_chunk_tokens is {loss_chunk_tokens}; give a positive number of tokens, "
                              "or 0 for the plain loss")
+        if self._lora is not None:  # an unknown target fails here, before any process starts
+            with torch.device("meta"):
+                lora_adapters.target_paths(AutoModelForCausalLM.from_config(self.hf_config()), self._lora)
         self.model: torch.nn.Module | None = None
         self.val_loss = MeanMetric()
         self._init_seed = 0
+        self._base_record: dict[str, Any] | None = None
 
     # --- model -----------------------------------------------------------------------------------
 
@@ -96,6 +108,8 @@ class CausalLM(pl.LightningModule):
         """Build the network with its parameters on the meta device; the strategy shards and fills them."""
         if self.model is not None:
             return
+        if self._lora is not None:
+            self._check_lora_strategy()
         config = self.hf_config()
         with parameters_on_meta(), no_init_weights():
             self.model = AutoModelForCausalLM.from_config(config)
@@ -103,28 +117,55 @@ class CausalLM(pl.LightningModule):
         self.model.config.use_cache = False
         if self.hparams.loss_chunk_tokens:
             LossHead.convert(self.model.get_output_embeddings(), self.hparams.loss_chunk_tokens)
+        if self._lora is not None:
+            lora_adapters.attach(self.model, self._lora)
         self._init_seed = torch.initial_seed()
+
+    def _check_lora_strategy(self) -> None:
+        """Refuse LoRA on a strategy that would save the frozen base in every checkpoint (or stream it, SlideFSDP)."""
+        from lit_fsdp.strategy import FSDP2Strategy
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if strategy is not None and not isinstance(strategy, FSDP2Strategy):
+            raise RunError(f"--model.lora needs lit_fsdp.strategy.FSDP2Strategy, which saves adapter-only checkpoints; "
+                           f"{type(strategy).__name__} does not: use FSDP2Strategy (with cpu_offload true to keep the "
+                           "base on the host)")
 
     def initialize_weights(self, blocks: list[tuple[str, torch.nn.Module]]) -> None:
         """Write initial values into the sharded parameters: pretrained rows or a seeded random init."""
         assert self.model is not None
         if self.hparams.pretrained_path is not None:
-            load_by_shard(self.model, self.hparams.pretrained_path)
+            load_by_shard(self.model, self.hparams.pretrained_path, skip=lora_adapters.adapter_names(self.model))
         else:
             init_by_unit(self.model, blocks, self.model._init_weights, self._init_seed)
+        if self._lora is not None:
+            lora_adapters.init_adapters(self.model, self._init_seed)
+            path = self.hparams.pretrained_path
+            base = str(Path(path).resolve()) if path else f"preset {self.hparams.preset}"
+            self._base_record = lora_adapters.base_record(self.model, self._lora, base, self._init_seed)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids).logits
+    @property
+    def adapter_checkpoint(self) -> dict[str, Any] | None:
+        """With LoRA, what checkpoints record of the frozen base they leave out (``lora.base_record``); None: they
+        hold the whole model."""
+        return self._base_record
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits; ``position_ids`` that restart at 0 mark packed samples, and transformers keeps each sample's attention
+        inside it (``masking_utils.find_packed_sequence_indices``: SDPA's mask on CPU, flash-attention's varlen path)."""
+        return self.model(input_ids=input_ids, position_ids=position_ids).logits
 
     # --- steps -----------------------------------------------------------------------------------
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mean loss over the batch's target tokens (labels other than -100)."""
         head = self.model.get_output_embeddings()
+        position_ids = batch.get("position_ids")
         if isinstance(head, LossHead):  # the head returns the loss, inside the model's (FSDP root's) forward
             with head.targets(batch["labels"]):
-                return self(batch["input_ids"])
-        logits = self(batch["input_ids"])
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+                return self(batch["input_ids"], position_ids)
+        logits = self(batch["input_ids"], position_ids)
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
 
     def on_fit_start(self) -> None:
         entropy_rate = getattr(self.trainer.datamodule, "entropy_rate", None)
@@ -135,10 +176,14 @@ class CausalLM(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
-        return loss
+        if "step_targets" not in batch:  # every micro-batch holds as many targets: the mean of means is the mean
+            return loss
+        trainer = self.trainer
+        return step_normalised(loss, batch["labels"], batch["step_targets"], trainer.world_size,
+                               trainer.accumulate_grad_batches)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.val_loss.update(self._loss(batch), weight=batch["labels"].numel())
+        self.val_loss.update(self._loss(batch), weight=target_count(batch["labels"]))
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
@@ -153,6 +198,7 @@ class CausalLM(pl.LightningModule):
         decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [group for group in groups if group["params"]]  # LoRA: every adapter is a matrix
         adamw = {"lr": hp.learning_rate, "betas": tuple(hp.betas)}
         # A strategy whose gradient compression needs its own optimizer (1-bit Adam) builds it from AdamW's arguments.
         replacement = getattr(self.trainer.strategy, "replacement_optimizer", None)
@@ -187,6 +233,8 @@ class CausalLM(pl.LightningModule):
         # Enough to rebuild the network without this code's defaults, read its text and evaluate it as it was
         # trained: used by `lit_fsdp export`, `generate` and `evaluate`.
         checkpoint["hf_config"] = self.model.config.to_dict()
+        if self._base_record is not None:  # adapters only: the base they need, for resume and export
+            checkpoint["lora"] = self._base_record
         datamodule = getattr(self._trainer, "datamodule", None)
         tokenizer = getattr(datamodule, "tokenizer", None)
         # The tokenizer itself, not its folder: the checkpoint finds it on any machine (older ones hold a "tokenizer_path").

@@ -41,8 +41,14 @@ from lit_fsdp.weights import materialize
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _HOOK_STATE = "comm_hook."  # checkpoint keys of each rank's compression state: comm_hook.rank<r>/<key>
-ADAM_STATE_BYTES = 16  # FSDP2's model states per parameter: fp32 weight, gradient and two AdamW moments
+ADAM_STATE_BYTES = 16  # FSDP2's model states per trained parameter: fp32 weight, gradient and two AdamW moments
+FROZEN_STATE_BYTES = 4  # per frozen parameter (LoRA's base): its sharded fp32 weight, no gradient, no AdamW state
 _GIB = 2**30
+
+
+def model_state_bytes(parameters: int, trained: int) -> int:
+    """FSDP2's model states of ``parameters``, ``trained`` of them trained and the rest frozen, before sharding."""
+    return ADAM_STATE_BYTES * trained + FROZEN_STATE_BYTES * (parameters - trained)
 
 
 def resolve_dtype(name: DType, device: torch.device, fallback: torch.dtype | None = None) -> torch.dtype:
@@ -84,25 +90,34 @@ def _serves_cpu(backend: str) -> bool:
 
 
 def check_device_memory(parameters: int, rows: int, mesh: tuple[int, ...], cpu_offload: bool,
-                        compression: CompressionConfig | None, device_bytes: int) -> None:
+                        compression: CompressionConfig | None, device_bytes: int, trained: int | None = None) -> None:
     """Raise ValueError when FSDP2's model states and the compression state alone exceed one GPU's ``device_bytes``.
 
-    ``mesh`` is the strategy's ``(shard,)`` or ``(replicate, shard)``; ``rows`` the hidden size (PowerSGD's Q).
-    A floor, not an estimate: activations, gathered units and the allocator come on top (``python -m lit_fsdp
-    tune`` estimates those), so what this refuses cannot fit at any micro-batch.
+    ``mesh`` is the strategy's ``(shard,)`` or ``(replicate, shard)``; ``rows`` the hidden size (PowerSGD's Q);
+    ``trained`` the parameters that train (LoRA's adapters, within ``parameters``; default all): only they have
+    gradients, AdamW state and compression state. A floor, not an estimate: activations, gathered units and the
+    allocator come on top (``python -m lit_fsdp tune`` estimates those), so what this refuses cannot fit at any
+    micro-batch.
     """
+    trained = parameters if trained is None else trained
     replicas, shard = mesh if len(mesh) == 2 else (1, mesh[0])
-    states = 0 if cpu_offload else ADAM_STATE_BYTES * parameters // shard
-    kept = compression.state_bytes(parameters, shard, replicas, rows) if compression is not None else 0
+    states = 0 if cpu_offload else model_state_bytes(parameters, trained) // shard
+    kept = compression.state_bytes(trained, shard, replicas, rows) if compression is not None else 0
     if states + kept <= device_bytes:
         return
     have = f"one GPU has {device_bytes / _GIB:.1f} GiB"
     billions = f"{parameters / 1e9:.1f}B parameters"
+    lora = trained < parameters
+    if lora:
+        billions += f", {trained / 1e6:.1f}M of them trained (LoRA)"
+    each = (f"{FROZEN_STATE_BYTES} bytes per frozen parameter, {ADAM_STATE_BYTES} per trained one," if lora
+            else f"{ADAM_STATE_BYTES} bytes each")
     if states > device_bytes or not kept:
         raise ValueError(
-            f"FSDP2's model states need {states / _GIB:.1f} GiB per GPU for {billions} ({ADAM_STATE_BYTES} bytes each "
-            f"over {shard} shard(s)) but {have}; shard over more GPUs (sharding FULL_SHARD, more devices), "
-            "set --trainer.strategy.init_args.cpu_offload true or use offload.SlideFSDPStrategy"
+            f"FSDP2's model states need {states / _GIB:.1f} GiB per GPU for {billions} ({each} "
+            f"over {shard} shard(s)) but {have}; shard over more GPUs (sharding FULL_SHARD, more devices)"
+            + (" or" if lora else ",") + " set --trainer.strategy.init_args.cpu_offload true"
+            + ("" if lora else " or use offload.SlideFSDPStrategy")  # SlideFSDP does not train LoRA
         )
     assert compression is not None
     per = compression.state_bytes_per_param(rows)
@@ -110,8 +125,8 @@ def check_device_memory(parameters: int, rows: int, mesh: tuple[int, ...], cpu_o
     if states and kept <= device_bytes:
         fix += ", or move the model states to the host with --trainer.strategy.init_args.cpu_offload true"
     raise ValueError(
-        f"{what} need {kept / _GIB:.1f} GiB per GPU ({per:g} bytes per parameter of the whole model, for {billions}; "
-        f"sharding does not divide them) beside {states / _GIB:.1f} GiB of model states, but {have}: {fix}"
+        f"{what} need {kept / _GIB:.1f} GiB per GPU ({per:g} bytes per trained parameter of the whole model, for "
+        f"{billions}; sharding does not divide them) beside {states / _GIB:.1f} GiB of model states, but {have}: {fix}"
     )
 
 
@@ -437,13 +452,16 @@ class FSDP2Strategy(CausalLMStrategy):
             return
         from transformers import AutoModelForCausalLM
 
+        from lit_fsdp.lora import adapter_parameters
+
         config = module.hf_config()
         with torch.device("meta"):
             network = AutoModelForCausalLM.from_config(config)
-        parameters = sum(p.numel() for p in network.parameters())
+        adapters = adapter_parameters(network, (getattr(module, "hparams", None) or {}).get("lora"))
+        parameters = sum(p.numel() for p in network.parameters()) + adapters
         mesh = self.mesh_shape(trainer.num_nodes * trainer.num_devices, trainer.num_nodes)
         check_device_memory(parameters, config.hidden_size, mesh, self.cpu_offload, self.compression,
-                            torch.cuda.get_device_properties(device).total_memory)
+                            torch.cuda.get_device_properties(device).total_memory, trained=adapters or parameters)
 
     def is_placed(self, network: torch.nn.Module) -> bool:
         return isinstance(network, FSDPModule)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -122,8 +122,9 @@ def init_by_unit(
                     done.add(id(param))
 
 
-def load_by_shard(model: nn.Module, folder: str | Path) -> None:
-    """Fill every parameter from the safetensors files of a Hugging Face folder, reading only local rows."""
+def load_by_shard(model: nn.Module, folder: str | Path, skip: Collection[str] = ()) -> None:
+    """Fill every parameter but those named in ``skip`` (clean names: LoRA's adapters) from the safetensors files of
+    a Hugging Face folder, reading only local rows."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -143,6 +144,8 @@ def load_by_shard(model: nn.Module, folder: str | Path) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             key = clean_name(name)
+            if key in skip:
+                continue
             if key not in weight_map and key.startswith(prefix) and key[len(prefix) :] in weight_map:
                 key = key[len(prefix) :]
             if key not in weight_map:

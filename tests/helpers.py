@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -198,13 +199,15 @@ class CPUStrategy(FSDP2Strategy):
     root_device = torch.device("cpu")
 
 
-def sharded_model(rank: int, world: int, mesh: DeviceMesh, sharding: str, compression: CompressionConfig
-                  ) -> tuple[CausalLM, CPUStrategy]:
-    """gpt2-tiny (seed 0) sharded, initialised and given its comm hooks by ``FSDP2Strategy.place``, as in a run."""
+def sharded_model(rank: int, world: int, mesh: DeviceMesh, sharding: str = "FULL_SHARD",
+                  compression: CompressionConfig | None = None, preset: str = "gpt2-tiny", lora: dict | None = None,
+                  **strategy_args: Any) -> tuple[CausalLM, CPUStrategy]:
+    """``preset`` (seed 0, with ``lora``'s adapters) sharded, initialised and given its comm hooks by
+    ``FSDP2Strategy.place``, as in a run."""
     torch.manual_seed(0)
-    module = CausalLM(preset="gpt2-tiny")
+    module = CausalLM(preset=preset, lora=lora)
     module.configure_model()
-    strategy = CPUStrategy(sharding=sharding, compression=compression, param_dtype="float32")
+    strategy = CPUStrategy(sharding=sharding, compression=compression, **{"param_dtype": "float32", **strategy_args})
     strategy._device_mesh = mesh
     environment = LightningEnvironment()
     environment.set_world_size(world)

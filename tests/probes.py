@@ -275,3 +275,22 @@ class RecordDtypes(pl.Callback):
         if trainer.global_rank == 0:
             with open(self.path, "w") as f:
                 json.dump(self.seen, f)
+
+
+class RecordFirstGradients(pl.Callback):
+    """Writes to ``path`` (rank 0) the first optimizer step's whole gradients, flattened in parameter order, before
+    clipping: what the step's loss normalisation decides (FSDP2's sharded gradients are gathered, a collective)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step:
+            return
+        parts = []
+        for param in pl_module.model.parameters():
+            if param.grad is not None:
+                grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+                parts.append(grad.detach().float().flatten().cpu())
+        if trainer.global_rank == 0:
+            torch.save(torch.cat(parts), self.path)

@@ -161,7 +161,7 @@ class LitFsdpCLI(LightningCLI):
         for callback in self.trainer.checkpoint_callbacks:
             checkpoints.check_writable(Path(callback.dirpath), "the ModelCheckpoint's dirpath")
         if self.subcommand == "fit" and not self.trainer.fast_dev_run:  # only fit saves checkpoints, not a dev run
-            checkpoints.check_space(self.trainer, self.model.hf_config(self.datamodule))
+            checkpoints.check_space(self.trainer, self.model.hf_config(self.datamodule), self.model.hparams.get("lora"))
         self._resolve_checkpoint()
         # W&B's name is the results.jsonl record's; a tag per method makes runs easy to filter.
         for logger in self.trainer.loggers:

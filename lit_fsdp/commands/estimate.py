@@ -7,7 +7,10 @@ It takes ``fit``'s configs and arguments and ``--tune.hardware`` (default: this 
 model on the meta device and no Trainer (the hardware need not be here), and prints, per process and optimizer
 step: host memory per node by buffer, the device peak by component, host-device bytes, the CPU update's bytes
 and time, network bytes per collective, compute time at the device's peak, and the step time and MFU these
-bound. The memory figures are the preflight's and the tuner's (``offload.host_memory``, ``lit_fsdp.commands.tune.memory``);
+bound; and one checkpoint's bytes. With ``--model.lora`` only the adapters have gradients, AdamW state,
+reduce-scatters and checkpoints; the frozen base is still sharded in float32 and gathered in the compute dtype.
+The memory figures are the preflight's and the tuner's (``offload.host_memory``, ``lit_fsdp.commands.tune.memory``,
+``lit_fsdp.checkpoints.checkpoint_size``);
 times are bytes or FLOPs over the hardware file's rates, each resource at its peak, overlapped as the strategy
 overlaps them: a bound, not a measurement.
 """
@@ -24,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from lit_fsdp.checkpoints import checkpoint_size
 from lit_fsdp.commands.cli import LitFsdpCLI, run as parse_fit
 from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
 from lit_fsdp.commands.help import plain
@@ -138,9 +142,11 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
     return traffic
 
 
-def fsdp2_traffic(trainer: RunTrainer, candidate: Candidate, parameters: int, compute: torch.dtype,
+def fsdp2_traffic(trainer: RunTrainer, candidate: Candidate, parameters: int, trained: int, compute: torch.dtype,
                   reduce_dtype: torch.dtype) -> dict[str, float]:
-    """FSDP2's collectives' bytes (uncompressed) and, with ``cpu_offload``, its host-device bytes, per process per step."""
+    """FSDP2's collectives' bytes (uncompressed) and, with ``cpu_offload``, its host-device bytes, per process per step.
+
+    Every parameter is gathered; only the ``trained`` ones (LoRA's adapters; else all) have gradients to reduce."""
     steps = trainer.accumulate_grad_batches
     world = trainer.num_nodes * trainer.num_devices
     replicas = {"NO_SHARD": world, "HYBRID_SHARD": candidate.replicate_size or trainer.num_nodes}.get(candidate.sharding, 1)
@@ -150,13 +156,13 @@ def fsdp2_traffic(trainer: RunTrainer, candidate: Candidate, parameters: int, co
     gathers = 2 if candidate.sharding in ("FULL_SHARD", "HYBRID_SHARD") else 1  # backward gathers again after a reshard
     traffic = {
         "all_gather": steps * gathers * _ring(parameters * p, shard),
-        "reduce_scatter": steps * _ring(parameters * reduce, shard),
-        "all_reduce": steps * 2 * _ring(parameters // shard * reduce, replicas),
+        "reduce_scatter": steps * _ring(trained * reduce, shard),
+        "all_reduce": steps * 2 * _ring(trained // shard * reduce, replicas),
         "h2d": 0.0, "d2h": 0.0,
     }
     if candidate.cpu_offload:  # the fp32 shards come to the device for each gather; gradients go back
         traffic["h2d"] = steps * gathers * parameters // shard * 4
-        traffic["d2h"] = steps * parameters // shard * 4
+        traffic["d2h"] = steps * trained // shard * 4
     return traffic
 
 
@@ -197,7 +203,11 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     run = run_shape(trainer, module, data, hardware)
     config = module.hf_config(datamodule=data)
     strategy = trainer.strategy
-    model = ModelShape.of(config, getattr(strategy, "block_class", None))
+    lora = module.hparams.get("lora")
+    if lora and candidate.strategy == "slide_fsdp":
+        raise ValueError(f"--model.lora needs lit_fsdp.strategy.FSDP2Strategy, but --trainer.strategy is "
+                         f"{type(strategy).__name__}: use FSDP2Strategy (cpu_offload true keeps the base on the host)")
+    model = ModelShape.of(config, getattr(strategy, "block_class", None), lora)
     compute = compute_dtype(candidate, hardware.accelerator)
     reduce = strategy.resolve_dtype(strategy.reduce_dtype, fallback=compute)
     compression = getattr(strategy, "compression", None)
@@ -214,7 +224,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         update_bytes = cpu_update_bytes(trainer, model.parameters, compute, reduce)
     else:
         host = {"model_states": memory.host_per_node} if candidate.cpu_offload else {}
-        traffic = fsdp2_traffic(trainer, candidate, model.parameters, compute, reduce)
+        traffic = fsdp2_traffic(trainer, candidate, model.parameters, model.trained, compute, reduce)
         update_bytes = 0
     host = with_runtime(host, processes)
     model_flops = tokens * flops_per_token(config, data.seq_len)
@@ -244,9 +254,11 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         mfu = model_flops / (step_time * peak * 1e12)
     device_total, host_total = sum(device.values()), sum(host.values())
     device_memory = hardware.memory_per_process_gb(processes) * GIB
+    checkpoint = checkpoint_size(strategy, config, run.world_size, trainer.num_nodes, lora)
     return {
         "hardware": asdict(hardware), "strategy": candidate.strategy, "knobs": candidate.knobs(),
-        "parameters": model.parameters, "compute_dtype": str(compute).removeprefix("torch."),
+        "parameters": model.parameters, "trained_parameters": model.trained,
+        "compute_dtype": str(compute).removeprefix("torch."),
         "tokens_per_step": tokens * run.world_size, "tokens_per_process": tokens,
         "host_bytes": host_total, "host_by_buffer": host, "host_memory_bytes": int(hardware.host_memory_gb * GIB),
         "device_peak_bytes": device_total, "device_by_component": device, "device_memory_bytes": int(device_memory),
@@ -254,6 +266,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         "h2d_bytes": traffic["h2d"], "d2h_bytes": traffic["d2h"], "network_bytes": network,
         "cpu_update_bytes": update_bytes, "model_flops": model_flops, "flops": flops, "times": times,
         "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu,
+        "checkpoint_bytes": checkpoint.total(weights_only=False), "checkpoint_counted": checkpoint.counted,
     }
 
 
@@ -264,9 +277,11 @@ def _gib(value: float) -> str:
 def report(figures: dict[str, Any]) -> str:
     """The figures as the text ``estimate`` prints."""
     hardware = figures["hardware"]
+    trained = figures["trained_parameters"]
+    lora = "" if trained == figures["parameters"] else f" ({trained / 1e6:.3g}M of them trained: LoRA)"
     lines = [
         f"{figures['strategy']} on {hardware['nodes']} node(s) x {hardware['devices_per_node']} {hardware['device_name']}: "
-        f"{figures['parameters'] / 1e9:.3g}B parameters in {figures['compute_dtype']}, "
+        f"{figures['parameters'] / 1e9:.3g}B parameters{lora} in {figures['compute_dtype']}, "
         f"{figures['tokens_per_process']:,} tokens per process per step ({figures['tokens_per_step']:,} in all)",
         f"host per node: {_gib(figures['host_bytes'])} of {_gib(figures['host_memory_bytes'])} "
         f"({describe(figures['host_by_buffer'])} GiB; runtime is an allowance of "
@@ -274,6 +289,7 @@ def report(figures: dict[str, Any]) -> str:
         f"device per process: {_gib(figures['device_peak_bytes'])} of {_gib(figures['device_memory_bytes'])} "
         f"({describe(figures['device_by_component'])} GiB; allocator and CUDA context not counted)",
         f"fits: {'yes' if figures['fits'] else 'NO'}",
+        f"one checkpoint: {_gib(figures['checkpoint_bytes'])} ({figures['checkpoint_counted']})",
         f"host-device per process per step: H2D {figures['h2d_bytes'] / 1e9:.2f} GB, D2H {figures['d2h_bytes'] / 1e9:.2f} GB",
         "network per process per step (uncompressed): " + ", ".join(
             f"{name} {value / 1e9:.2f} GB" for name, value in figures["network_bytes"].items()),

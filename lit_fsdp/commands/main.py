@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
+from typing import Any
 
 from lit_fsdp.errors import RunError, error_line
 
@@ -13,7 +15,7 @@ COMMANDS = {
     "validate": "the validation loss of a model, or of a checkpoint with --ckpt_path, as fit logs it",
     "export": "write a checkpoint as a Hugging Face folder (config.json, model.safetensors, tokenizer)",
     "generate": "continue a prompt with a trained model, printing the text as it comes",
-    "evaluate": "loss and perplexity of a trained model on a Wikipedia-format file",
+    "evaluate": "loss and perplexity of a trained model on a Wikipedia-format file; answer loss and exact match on chat",
     "tune": "find the fastest strategy setting that fits, by running short real trials",
     "estimate": "memory, traffic and a step-time bound of a run's configs, before it runs (no device needed)",
     "hardware": "print this machine's hardware as JSON, the format --tune.hardware reads",
@@ -56,6 +58,22 @@ def compressors(args: list[str]) -> None:
         from compress.config import describe_methods
 
         print(describe_methods())
+
+
+def bare_flags(args: list[str], function: Any) -> list[str]:
+    """``--adapter-only`` (or ``--adapter_only``) alone, for a boolean parameter of ``function``, as the
+    ``--adapter_only true`` its command line (jsonargparse) reads."""
+    flags = {name for name, parameter in inspect.signature(function).parameters.items() if parameter.annotation in
+             (bool, "bool")}
+    given = []
+    for index, arg in enumerate(args):
+        name = arg[2:].replace("-", "_") if arg.startswith("--") else None
+        following = args[index + 1] if index + 1 < len(args) else ""
+        if name in flags and following.lower() not in ("true", "false"):
+            given += [f"--{name}", "true"]
+        else:
+            given.append(arg)
+    return given
 
 
 def is_user_error(error: Exception) -> bool:
@@ -106,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
             from lit_fsdp.commands.help import PlainHelpFormatter
 
             module, function = SINGLE_PROCESS_COMMANDS[command].split(":")
-            auto_cli(getattr(import_module(module), function), args=args[1:], prog=f"lit_fsdp {command}",
+            target = getattr(import_module(module), function)
+            auto_cli(target, args=bare_flags(args[1:], target), prog=f"lit_fsdp {command}",
                      formatter_class=PlainHelpFormatter)
         else:
             from lit_fsdp.commands.cli import run

@@ -205,7 +205,8 @@ def main(argv: Sequence[str]) -> None:
     validate = strategy_validator(trainer, module, base)
     if (reason := validate(default)) is not None:
         raise ValueError(f"the configs' own strategy setting cannot run: {reason}")
-    model = ModelShape.of(module.hf_config(datamodule=data), getattr(trainer.strategy, "block_class", None))
+    model = ModelShape.of(module.hf_config(datamodule=data), getattr(trainer.strategy, "block_class", None),
+                          module.hparams.get("lora"))
     # Units of more blocks than the model has are all the same unit: keep one such value at most.
     groups = allowed["blocks_per_group"]
     allowed["blocks_per_group"] = [b for b in groups if b < model.layers] + [b for b in groups if b >= model.layers][:1]

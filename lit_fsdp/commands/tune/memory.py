@@ -6,21 +6,28 @@ r = 4 bytes per reduced gradient value):
 
 - **model states** (FSDP2): fp32 weights, fp32 gradients and the two AdamW moments, 16 x P, divided by
   the shard group (the world for FULL_SHARD and SHARD_GRAD_OP, world / replicas for HYBRID_SHARD, 1
-  for NO_SHARD); on the host instead with ``cpu_offload``. SlideFSDP keeps them on the host.
+  for NO_SHARD); on the host instead with ``cpu_offload``. SlideFSDP keeps them on the host. With LoRA
+  (``--model.lora``; T adapter parameters, counted in P) only the adapters have gradients and AdamW
+  state: 4 x P + 12 x T (``lit_fsdp.strategy.model_state_bytes``), divided as above.
 - **working set**: the unsharded weights in p bytes: the root (kept gathered from forward to
   backward), and the gathered units: 1 + max(prefetch, 1) units of ``blocks_per_group`` blocks when
   units are resharded after forward (FULL_SHARD, HYBRID_SHARD), every block otherwise; plus a unit's
-  and the root's unsharded gradients and their reduce buffers, (p + r) each. SlideFSDP: ``window``
-  blocks and the root in p bytes, the root's gradients and two blocks of gradients in r bytes.
+  and the root's unsharded gradients and their reduce buffers, (p + r) each (with LoRA: of their adapters
+  only). SlideFSDP: ``window`` blocks and the root in p bytes, the root's gradients and two blocks of
+  gradients in r bytes.
 - **activations**: per block (8h + 2i) x m x s values (8h + 4i for gated MLPs: Llama), the tensors
   autograd keeps (Korthikanti et al. 2022 without dropout masks; attention's s x s scores are not
   kept by SDPA); a checkpointed block keeps only its input (h x m x s) and one block's activations
   come back during its recompute; SlideFSDP's ``activation_offload`` moves the kept inputs to the host.
+  LoRA keeps the same tensors (a frozen weight's matmul no longer keeps its input, but the adapter's
+  A does: the same tensor) plus per target A's output, rank values a token (Llama-8B, rank 16 on all 7
+  targets: 0.1% more), and with ``dropout`` > 0 each target's dropped input and its mask, in-features x
+  (p + 1) bytes a token (Llama: 6h + i values a block; 65% more at 8B in bfloat16).
 - **logits** (``lit_fsdp.loss.loss_bytes``): m x s x V x (p + 8), the logits, their float32 copy and the
   log-softmax; with the chunked loss (C tokens a chunk) 8 x C x V + m x s x h x p + 4 x V x h instead.
 - **compression**: what the gradient compressor keeps between steps (``CompressionConfig.state_bytes``):
   error feedback holds a residual per element of every unit's whole unsharded gradient, c x P per process
-  whatever the sharding (c = 4 bytes, 2 with ``residual_dtype: bfloat16``, twice that for DGC's
+  (c x T with LoRA) whatever the sharding (c = 4 bytes, 2 with ``residual_dtype: bfloat16``, twice that for DGC's
   velocities; PowerSGD about 4, Sketched-SGD 4, methods without error feedback 0), plus c x P / shard
   group for the replicate all-reduce of NO_SHARD and HYBRID_SHARD. The payload buffers of one unit's
   collective are not counted.
@@ -43,9 +50,10 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from lit_fsdp.flops import matmul_shape
+from lit_fsdp.lora import LoraConfig, adapted, as_config, attach
 from lit_fsdp.loss import loss_bytes
 from lit_fsdp.parallelize import find_blocks
-from lit_fsdp.strategy import ADAM_STATE_BYTES, resolve_dtype
+from lit_fsdp.strategy import model_state_bytes, resolve_dtype
 from lit_fsdp.commands.tune.hardware import Hardware
 from lit_fsdp.commands.tune.space import Candidate, RunShape
 from offload.host_memory import HostSetup, UnitSize, host_buffers
@@ -66,20 +74,52 @@ class ModelShape:
     intermediate: int
     vocab: int
     gated_mlp: bool
+    # LoRA (0 without): its adapters' parameters, also counted above, in all and in the largest block; what a block's
+    # adapters keep for the backward per token: A's outputs (rank values each) and, with dropout, their dropped inputs
+    adapters: int = 0
+    block_adapters: int = 0
+    root_adapters: int = 0
+    adapter_ranks: int = 0
+    adapter_dropped: int = 0
 
     @classmethod
-    def of(cls, config: PretrainedConfig, block_class: str | None = None) -> ModelShape:
+    def of(cls, config: PretrainedConfig, block_class: str | None = None,
+           lora: LoraConfig | dict[str, Any] | None = None) -> ModelShape:
+        lora = as_config(lora)
         with torch.device("meta"):
             network = AutoModelForCausalLM.from_config(config)
+        if lora is not None:  # as the run attaches them (on the meta device): the base frozen, the adapters trained
+            attach(network, lora)
         blocks = find_blocks(network, block_class)
-        unique = {id(p): p.numel() for p in network.parameters()}  # a tied head counts once
+        unique = {id(p): p for p in network.parameters()}  # a tied head counts once
+        parameters = sum(p.numel() for p in unique.values())
         in_blocks = [sum(p.numel() for p in block.parameters()) for _, block in blocks]
+        modules = [[m for _, m in adapted(block)] for _, block in blocks]  # each block's adapted modules
+        trained = sum(p.numel() for p in unique.values() if p.requires_grad) if lora else 0
+        block_adapters = [sum(m.lora_A.numel() + m.lora_B.numel() for m in block) for block in modules]
+        dropped = max(sum(m.lora_A.shape[1] for m in block) for block in modules) if lora and lora.dropout else 0
         hidden = config.hidden_size
         return cls(
-            parameters=sum(unique.values()), block_parameters=max(in_blocks), root_parameters=sum(unique.values()) - sum(in_blocks),
+            parameters=parameters, block_parameters=max(in_blocks), root_parameters=parameters - sum(in_blocks),
             layers=len(blocks), hidden=hidden, intermediate=matmul_shape(config).last_weights // hidden,
             vocab=config.vocab_size, gated_mlp=any("gate_proj" in name for name, _ in blocks[0][1].named_parameters()),
+            adapters=trained, block_adapters=max(block_adapters), root_adapters=trained - sum(block_adapters),
+            adapter_ranks=max(sum(m.lora_A.shape[0] for m in block) for block in modules),
+            adapter_dropped=dropped,
         )
+
+    @property
+    def trained(self) -> int:
+        """Parameters with gradients and AdamW state: the adapters with LoRA, else all."""
+        return self.adapters or self.parameters
+
+    @property
+    def block_trained(self) -> int:
+        return self.block_adapters if self.adapters else self.block_parameters
+
+    @property
+    def root_trained(self) -> int:
+        return self.root_adapters if self.adapters else self.root_parameters
 
 
 @dataclass(frozen=True)
@@ -123,6 +163,7 @@ def activation_bytes(candidate: Candidate, model: ModelShape, run: RunShape, p: 
     """(bytes kept on the device, checkpointed inputs moved to the host by this process)."""
     tokens = candidate.micro_batch * run.seq_len
     per_block = tokens * (8 * model.hidden + (4 if model.gated_mlp else 2) * model.intermediate) * p
+    per_block += tokens * (model.adapter_ranks * p + model.adapter_dropped * (p + 1))  # LoRA; a dropout mask: 1 byte
     block_input = tokens * model.hidden * p
     every = candidate.activation_checkpointing
     checkpointed = math.ceil(model.layers / every) if every else 0
@@ -146,7 +187,7 @@ def compression_bytes(candidate: Candidate, model: ModelShape, run: RunShape,
     if config is None:
         return 0
     shard = shard_group(candidate, run.world_size)
-    return config.state_bytes(model.parameters, shard, run.world_size // shard, model.hidden)
+    return config.state_bytes(model.trained, shard, run.world_size // shard, model.hidden)
 
 
 def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: int = 0,
@@ -170,13 +211,14 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
                                    offloaded_activations)
         host = sum(host_buffers(units, setup).values())
     else:
-        states = ADAM_STATE_BYTES * model.parameters // shard_group(candidate, run.world_size)
+        states = model_state_bytes(model.parameters, model.trained) // shard_group(candidate, run.world_size)
         unit = candidate.blocks_per_group * model.block_parameters
         if candidate.sharding in ("FULL_SHARD", "HYBRID_SHARD"):
             gathered = min(model.layers * model.block_parameters, (1 + max(candidate.prefetch, 1)) * unit)
         else:  # units stay gathered from their forward until their backward
             gathered = model.layers * model.block_parameters
-        working = (gathered + root) * p + (unit + root) * (p + REDUCE_BYTES)
+        unit_gradients = candidate.blocks_per_group * model.block_trained + model.root_trained
+        working = (gathered + root) * p + unit_gradients * (p + REDUCE_BYTES)
         host = states * run.processes_per_node if candidate.cpu_offload else 0
         states = 0 if candidate.cpu_offload else states
     logits = loss_bytes(candidate.micro_batch * run.seq_len, model.vocab, model.hidden, p, run.loss_chunk_tokens)
@@ -219,6 +261,8 @@ class MemoryFilter:
 
     def rejection(self, candidate: Candidate) -> str | None:
         """Why ``candidate`` does not fit, or None."""
+        if self.model.adapters and candidate.strategy == "slide_fsdp":
+            return "LoRA (--model.lora) trains on FSDP2Strategy only: SlideFSDP would stream and save the frozen base"
         e = self.estimate(candidate)
         margin = f"less the {self.margin:.0%} margin"
         if e.device_total > self.device_budget:
