@@ -59,11 +59,19 @@ def matmul_shape(config: PretrainedConfig) -> MatmulShape:
     )
 
 
-def flops_per_token(config: PretrainedConfig, seq_len: int) -> int:
-    """Training (forward + backward) FLOPs per token at sequence length ``seq_len``, without recompute."""
+def flops_per_token(config: PretrainedConfig, seq_len: int, trained: int | None = None) -> int:
+    """Training (forward + backward) FLOPs per token at sequence length ``seq_len``, without recompute.
+
+    ``trained``: the weights that get gradients where the rest is frozen (LoRA's adapters); None, every weight. A
+    frozen matrix costs ``2n`` forward and ``2n`` for its input's gradient, but no weight gradient: ``4n``, and each
+    trained adapter weight ``6``.
+    """
     shape = matmul_shape(config)
     weights = shape.layers * shape.block_weights + shape.head_weights
-    return 6 * weights + 12 * shape.layers * shape.attention_width * seq_len
+    attention = 12 * shape.layers * shape.attention_width * seq_len
+    if trained is None:
+        return 6 * weights + attention
+    return 4 * weights + 6 * trained + attention
 
 
 def recompute_flops_per_token(config: PretrainedConfig, seq_len: int, checkpoint_every: int) -> int:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from callbacks import throughput
 from callbacks.throughput import Throughput
 from lit_fsdp.device_peaks import peak_tflops
-from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
+from lit_fsdp.flops import flops_per_token, matmul_shape, recompute_flops_per_token
 from lit_fsdp.parallelize import apply_activation_checkpointing, find_blocks
 from lit_fsdp.presets import build_config
 from tests.helpers import fit
@@ -115,11 +115,24 @@ def test_mfu_is_model_flops_per_device_over_the_given_peak():
     assert checkpointed["mfu"] == summary["mfu"] < checkpointed["hfu"]
 
 
+def test_a_lora_run_counts_no_weight_gradients_for_its_frozen_base():
+    """A frozen matrix costs 4 FLOPs per weight and token (forward, input gradient), a trained adapter weight 6."""
+    config = CONFIGS["gpt2-tiny"]
+    full = timed(Throughput(warmup_steps=0, peak_tflops=0.1), config)
+    callback = Throughput(warmup_steps=0, peak_tflops=0.1)
+    callback.trained = 8192
+    lora = timed(callback, config)
+    shape = matmul_shape(config)
+    weights = shape.layers * shape.block_weights + shape.head_weights
+    assert full["flops_per_token"] - lora["flops_per_token"] == 2 * weights - 6 * 8192
+    assert lora["mfu"] < full["mfu"]
+
+
 def test_mfu_is_null_with_one_info_line_and_no_warning_when_the_peak_is_unknown(monkeypatch):
     callback = Throughput(warmup_steps=0)
     config = CONFIGS["gpt2-tiny"]
     trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(), precision="32-true")
-    module = SimpleNamespace(model=SimpleNamespace(config=config), device=torch.device("cpu"))
+    module = SimpleNamespace(model=SimpleNamespace(config=config), device=torch.device("cpu"), hparams={})
     said = []
     monkeypatch.setattr(throughput, "rank_zero_info", said.append)
     with warnings.catch_warnings():

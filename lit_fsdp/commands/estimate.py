@@ -227,7 +227,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         traffic = fsdp2_traffic(trainer, candidate, model.parameters, model.trained, compute, reduce)
         update_bytes = 0
     host = with_runtime(host, processes)
-    model_flops = tokens * flops_per_token(config, data.seq_len)
+    model_flops = tokens * flops_per_token(config, data.seq_len, model.trained if lora else None)
     flops = model_flops + tokens * recompute_flops_per_token(config, data.seq_len, candidate.activation_checkpointing)
     peak = hardware.peak_for(compute)
     link = hardware.intra_node_gbps if trainer.num_nodes == 1 else hardware.inter_node_gbps
