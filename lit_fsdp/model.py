@@ -247,7 +247,8 @@ def pretrained_config(path: str) -> PretrainedConfig:
     """The Hugging Face config of the folder ``--model.pretrained_path`` names, or a one-line error saying what is wrong."""
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(f"--model.pretrained_path {path} has no config.json; give a folder written by save_pretrained")
+        raise FileNotFoundError(f"--model.pretrained_path {path} has no config.json; give a folder written by save_pretrained "
+                                "or by python -m lit_fsdp export CHECKPOINT FOLDER (docs/finetuning.md makes one)")
     try:
         json.loads(file.read_text())
         return AutoConfig.from_pretrained(path, local_files_only=True)
