@@ -26,6 +26,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from lit_fsdp.data.token_cache import first_char
+
 ROLES = ("system", "user", "assistant")
 #: The template used when the tokenizer has no chat template; part of the token cache's key.
 PLAIN_TEMPLATE = "plain-v1: <|role|>\\n{content}\\n per turn; assistant: <|assistant|>\\n{content}<eos>"
@@ -56,16 +58,6 @@ class Sample:
 
 
 # ---------------------------------------------------------------------------------------------------- reading
-
-
-def first_char(path: Path) -> str | None:
-    """The first non-blank character of a file (``[`` for a JSON array, ``{`` for JSON Lines), None when blank."""
-    with open(path, "rb") as file:
-        while chunk := file.read(4096):
-            stripped = chunk.lstrip()
-            if stripped:
-                return stripped[:1].decode("latin-1")
-    return None
 
 
 def read_samples(path: Path) -> Iterator[tuple[Sample, int]]:

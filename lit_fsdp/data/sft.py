@@ -30,9 +30,9 @@ from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from lit_fsdp.data.blocks import BlockDataModule, ResumableSampler, blocks_per_split
-from lit_fsdp.data.chat import ChatRenderer, first_char, read_samples
+from lit_fsdp.data.chat import ChatRenderer, read_samples
 from lit_fsdp.data.progress import CorpusProgress
-from lit_fsdp.data.token_cache import WAIT_TIMEOUT_S, cache_dir_or_default, cache_key, wait_or_build
+from lit_fsdp.data.token_cache import WAIT_TIMEOUT_S, cache_dir_or_default, cache_key, check_corpus_file, wait_or_build
 from lit_fsdp.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 #: Samples rendered and tokenised in one batch while a cache is built.
@@ -392,11 +392,4 @@ class SFTDataModule(BlockDataModule):
 
 
 def _check_samples_file(path: str, flag: str) -> Path:
-    resolved = Path(path).expanduser().absolute()
-    if not resolved.is_file():
-        raise FileNotFoundError(f"{flag} {resolved}: no such file; give a JSON Lines file or JSON array of samples")
-    first = first_char(resolved)
-    if first not in ("[", "{"):
-        found = "it is empty" if first is None else f"it starts with {first!r}"
-        raise ValueError(f"{flag} {resolved}: {found}, but a JSON array ('[') or JSON Lines of samples ('{{') was expected")
-    return resolved
+    return check_corpus_file(path, flag, records="samples", listed="a JSON Lines file or JSON array", objects="samples")

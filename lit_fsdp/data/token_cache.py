@@ -40,24 +40,27 @@ _TOKENS, _PROGRESS, _META, _FAILED, _LOCK, _HEARTBEAT = "tokens.bin", "progress.
 # ---------------------------------------------------------------------------------------------------- reading
 
 
-def check_corpus_file(path: str | Path, flag: str) -> Path:
+def check_corpus_file(path: str | Path, flag: str, records: str = "articles", listed: str = "a JSON array or JSON Lines file",
+                      objects: str = "objects") -> Path:
     """The absolute path of a corpus file, after a cheap check that it exists and starts like JSON.
 
-    Called when the DataModule is built, so a bad path fails before any worker process starts.
+    Called when the DataModule is built, so a bad path fails before any worker process starts. ``records``,
+    ``listed`` and ``objects`` say in the messages what the file holds (the fine-tuning samples say "samples").
     """
     path = Path(path).expanduser().absolute()
     if not path.is_file():
-        raise FileNotFoundError(f"{flag} {path}: no such file; give a JSON array or JSON Lines file of articles")
-    first = _first_char(path)
+        raise FileNotFoundError(f"{flag} {path}: no such file; give {listed} of {records}")
+    first = first_char(path)
     if first not in ("[", "{"):
         found = "it is empty" if first is None else f"it starts with {first!r}"
         raise ValueError(
-            f"{flag} {path}: {found}, but a JSON array ('[') or JSON Lines of objects ('{{') was expected"
+            f"{flag} {path}: {found}, but a JSON array ('[') or JSON Lines of {objects} ('{{') was expected"
         )
     return path
 
 
-def _first_char(path: Path) -> str | None:
+def first_char(path: Path) -> str | None:
+    """The first non-blank character of a file (``[`` for a JSON array, ``{`` for JSON Lines), None when blank."""
     with open(path, "rb") as file:
         while chunk := file.read(4096):
             stripped = chunk.lstrip()
@@ -77,7 +80,7 @@ def read_documents(path: Path, max_documents: int | None = None) -> Iterator[str
 
 def read_documents_with_offsets(path: Path, max_documents: int | None = None) -> Iterator[tuple[str, int]]:
     """``read_documents`` paired with how many bytes of the file have been read so far (for progress)."""
-    records = _array_records(path) if _first_char(path) == "[" else _line_records(path)
+    records = _array_records(path) if first_char(path) == "[" else _line_records(path)
     for where, record, offset in itertools.islice(records, max_documents):
         text = record.get("text") if isinstance(record, dict) else None
         if not isinstance(text, str):
