@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 from lit_fsdp.commands.estimate import estimate_step, main, parse
 from lit_fsdp.commands.tune.hardware import detect, load
+from lit_fsdp.data.tokenizer import train_bpe
+from lit_fsdp.presets import build_config
 from offload.host_memory import GIB
 from tests.helpers import REPO
 
@@ -17,8 +21,18 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 ON_GPU = {"gpt2_124m.yaml", "llama_1b.yaml", "llama_8b_offload.yaml"}  # accelerator: gpu
 
 
-def test_every_shipped_config_is_estimated_on_the_hardware_it_is_for():
+def pretrained_folder(folder: Path) -> Path:
+    """A tiny GPT-2 and its tokenizer, as ``export`` writes a base: what the fine-tuning configs start from."""
+    tokenizer = train_bpe(["reverse: sea sky", "sky sea", "the river and the stone"] * 20, 300)
+    tokenizer.save_pretrained(folder)
+    config = build_config("gpt2-tiny", {"vocab_size": len(tokenizer)})
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def test_every_shipped_config_is_estimated_on_the_hardware_it_is_for(tmp_path):
     h100 = load(H100)
+    base = pretrained_folder(tmp_path)  # runs/sft_base, which the sft configs name, is made by the user
     cluster = replace(h100, nodes=2, devices_per_node=8, intra_node_gbps=450.0, inter_node_gbps=50.0)
     seen = 0
     for config in sorted((REPO / "configs").glob("*.yaml")):
@@ -29,6 +43,8 @@ def test_every_shipped_config_is_estimated_on_the_hardware_it_is_for():
         if config.name == "multinode_hybrid.yaml":  # an overlay on gpt2_124m.yaml for 2 nodes x 8 GPUs
             configs[2:2] = ["--config", str(REPO / "configs" / "gpt2_124m.yaml")]
             machine = cluster
+        if "pretrained_path" in config.read_text():
+            configs += ["--model.pretrained_path", str(base)]
         figures = estimate_step(*parse(configs, machine), machine)
         assert figures["device_peak_bytes"] > 0 and figures["host_bytes"] > 0, config.name
         assert figures["tokens_per_step"] > 0 and figures["model_flops"] > 0, config.name
