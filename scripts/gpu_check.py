@@ -525,6 +525,48 @@ def step_tune(record: Record, device: str, work: Path) -> None:
     record.put(report=lines[-30:])
 
 
+def _sft_base(device: str, folder: Path) -> Path:
+    """A pretrained folder as ``export`` writes one: Llama-1B's blocks (llama-tiny on the CPU) and a BPE trained on the
+    sample task's text, whose vocabulary the model takes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lit_fsdp.data.chat import read_samples
+    from lit_fsdp.data.tokenizer import train_bpe
+    from lit_fsdp.presets import build_config
+
+    texts = [" ".join(content for _, content in sample.turns) for sample, _ in read_samples(SFT_SAMPLES / "train.jsonl")]
+    tokenizer = train_bpe(texts[:1000], 400)
+    tokenizer.save_pretrained(folder)
+    config = build_config("llama-1b" if device == "cuda" else "llama-tiny", {"vocab_size": len(tokenizer)})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.to(torch.bfloat16 if device == "cuda" else torch.float32).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+SFT_SAMPLES = ROOT / "lit_fsdp" / "data" / "samples" / "reverse_words"
+
+
+def step_sft(record: Record, device: str, work: Path) -> None:
+    """Fine-tuning (issue 29) on one device: configs/sft_full.yaml against configs/sft_lora.yaml, packed, from a
+    Llama-1B-shaped pretrained folder: tokens/s, device peak, the loss falling."""
+    base = _sft_base(device, work / "sft_base")
+    shape = {"seq_len": 2048, "batch_size": 4} if device == "cuda" else {"seq_len": 64, "batch_size": 2}
+    steps = 20 if device == "cuda" else 2
+    for config in ("sft_full", "sft_lora"):
+        override = _yaml(work / f"{config}_shape.yaml", {
+            "trainer": {**_accelerator(device), "callbacks": MEASURING_CALLBACKS},
+            "model": {"pretrained_path": str(base)},
+            "data": {"init_args": {**shape, "train_path": str(SFT_SAMPLES / "train.jsonl"),
+                                   "val_path": str(SFT_SAMPLES / "val.jsonl")}}})
+        run = _fit(config, work, [f"configs/{config}.yaml", str(override)], record, steps)
+        losses = run["losses"]
+        record.put(**{f"{config}_summary": {**_figures(run["result"]), "first_loss": losses[0], "last_loss": losses[-1]}})
+        if not losses[-1] < losses[0]:
+            raise RuntimeError(f"{config}: the loss did not fall ({losses[0]:.4f} to {losses[-1]:.4f})")
+
+
 STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
     "probe": (step_probe, 75),
     "cuda_tests": (step_cuda_tests, 70),
@@ -541,6 +583,7 @@ STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
     "bench_offload": (step_bench_offload, 240),
     "resume_export": (step_resume_export, 120),
     "tune": (step_tune, 300),
+    "sft": (step_sft, 170),
 }
 FIRST = ("probe", "cuda_tests", "slide_fsdp", "parity", "fsdp2_1b", "eight_b", "onebit", "codecs", "fsdp2_1b_no_ac")
 REQUIRES = {"eight_b": "slide_fsdp", "eight_b_fp32": "slide_fsdp"}  # run only if that step passed, when it ran too
