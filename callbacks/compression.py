@@ -8,8 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from callbacks.run_folder import log_metrics, write_json
-from compress.hook import GradientCompression
-from lit_fsdp.reporting import strategy_report
+from lit_fsdp.reporting import CompressionReport, strategy_report
 
 _PEAKS = ("buffer_bytes",)  # counters that are a maximum over the run, not a sum
 _SAMPLED = "sample_"  # prefix of the sums of a sampled step: turned into error and cosine, not run totals
@@ -44,9 +43,10 @@ class CompressionStats(pl.Callback):
         self.samples: list[dict[str, float]] = []  # grad_rel_error and grad_cosine of each sampled step
         self.peak_extra_memory = 0
         self.residual_norm: float | None = None
+        self.hook_figures: dict[str, Any] = {}  # the hook's own run figures (semi-synchronous training's syncs)
 
     @staticmethod
-    def _hook(trainer: pl.Trainer) -> GradientCompression | None:
+    def _hook(trainer: pl.Trainer) -> CompressionReport | None:
         return strategy_report(trainer).compression_hook()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -94,6 +94,7 @@ class CompressionStats(pl.Callback):
                   "warmup_steps": hook.config.warmup(),
                   "ratio_after_warmup": summarise(self.after_warmup).get("compress/ratio_vs_fp32")}
         report.update(memory_metrics(hook))
+        self.hook_figures = hook.figures()
         report.update(self.run_figures())
         write_json(trainer, "compression.json", report)
 
@@ -103,7 +104,7 @@ class CompressionStats(pl.Callback):
             key: sum(sample[key] for sample in self.samples) / len(self.samples) if self.samples else None
             for key in ("grad_rel_error", "grad_cosine")
         }
-        return {**means, "extra_memory_bytes": self.peak_extra_memory}
+        return {**means, "extra_memory_bytes": self.peak_extra_memory, **self.hook_figures}
 
     def summary(self) -> dict[str, Any]:
         """Run totals for the results record; empty when no compression hook ran (the ``none`` method)."""
@@ -156,7 +157,7 @@ def sampled_error(counters: dict[str, float]) -> dict[str, float]:
     }
 
 
-def memory_metrics(hook: GradientCompression, with_norm: bool = True) -> dict[str, float]:
+def memory_metrics(hook: CompressionReport, with_norm: bool = True) -> dict[str, float]:
     """Error-feedback residuals: the memory they hold, and their norm (``with_norm``: one read of the device)."""
     compressor = hook.compressor
     if not hasattr(type(compressor), "residual_norm"):  # on the class: hasattr on the instance computes the norm

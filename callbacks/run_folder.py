@@ -18,8 +18,7 @@ _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def compression_method(trainer: pl.Trainer) -> str:
     """The strategy's gradient compression method; ``none`` without a compression config."""
-    compression = strategy_report(trainer).compression
-    return "none" if compression is None else compression.method
+    return strategy_report(trainer).compression_method()
 
 
 def run_name(trainer: pl.Trainer) -> str:

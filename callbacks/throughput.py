@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 from callbacks.run_folder import log_metrics, write_json
 from lit_fsdp.device_peaks import matmul_format, peak_tflops
 from lit_fsdp.flops import flops_per_token, matmul_shape, recompute_flops_per_token
-from lit_fsdp.lora import adapter_parameters
+from lit_fsdp.lora import adapter_parameters, trained_matrices
 from lit_fsdp.reporting import strategy_report
 
 
@@ -73,6 +73,7 @@ class Throughput(pl.Callback):
         self.checkpoint_every = 0
         self.model_config: PretrainedConfig | None = None
         self.trained: int | None = None  # weights trained where the rest is frozen (LoRA's adapters); None: all
+        self.trained_matrices = 0  # the base's matrices trained beside LoRA's adapters (a head tied to embeddings)
         self.peak = peak_tflops  # the given peak, or the table's once training starts
         self._start = 0.0
         self._new_step = True
@@ -93,9 +94,10 @@ class Throughput(pl.Callback):
             try:
                 matmul_shape(config)
                 self.model_config = config
-                # a LoRA run trains only its adapters: no weight gradients for the frozen base
+                # a LoRA run trains its adapters (and chosen modules): no weight gradients for the frozen base
                 lora = pl_module.hparams.get("lora")
                 self.trained = adapter_parameters(config, lora) if lora else None
+                self.trained_matrices = trained_matrices(config, lora)
             except ValueError as error:
                 problems.append(str(error))
         self.peak = self.peak_tflops
@@ -154,7 +156,7 @@ class Throughput(pl.Callback):
             "flops_per_token": None, "peak_tflops": self.peak, "mfu": None, "hfu": None,
         }
         if self.model_config is not None and self.seq_len:
-            model_flops = flops_per_token(self.model_config, self.seq_len, self.trained)
+            model_flops = flops_per_token(self.model_config, self.seq_len, self.trained, self.trained_matrices)
             summary["flops_per_token"] = model_flops
             if self.peak is not None:
                 per_device = tokens_per_s / self.world_size / (self.peak * 1e12)

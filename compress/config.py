@@ -184,10 +184,12 @@ class CompressionConfig:
     def build(self, rank: int) -> Compressor | None:
         """The compressor on ``rank`` (None for ``none``), with error feedback and a quantiser if asked."""
         method = self._method(self.method, "method")
+        # a composite's quantiser takes its own parameters (num_bits, chunk_size, levels) where the sparsifier has none
+        quantizer = METHODS[self.quantize].defaults if self.quantize in METHODS else {}
         foreign = [
             f.name for f in fields(self)
             if f.name not in ("method", "error_feedback", "quantize", "param_all_gather", "residual_dtype")
-            and f.name not in method.defaults
+            and f.name not in method.defaults and f.name not in quantizer
             and getattr(self, f.name) is not None
         ]
         if foreign:
@@ -203,7 +205,9 @@ class CompressionConfig:
             if self.method not in SPARSIFIERS or self.quantize not in QUANTIZERS:
                 raise ValueError(f"quantize: {self.quantize!r} composes a sparsifier ({', '.join(SPARSIFIERS)}) with a "
                                  f"quantiser ({', '.join(QUANTIZERS)}); got method {self.method!r}")
-            compressor = Sparsified(compressor, _build(self.quantize, METHODS[self.quantize].defaults, rank))
+            given = {name: getattr(self, name) for name in quantizer
+                     if name not in method.defaults and getattr(self, name) is not None}
+            compressor = Sparsified(compressor, _build(self.quantize, {**quantizer, **given}, rank))
         if self.error_feedback:
             if not method.feedback or (self.method == "randomk" and self.parameters()["rescale"]):
                 built_in = "built with its own error feedback"

@@ -65,9 +65,10 @@ def manifest_for(trainer: Any) -> dict[str, Any]:
     datamodule = getattr(trainer, "datamodule", None)
     batch_size = getattr(datamodule, "batch_size", None)
     position = datamodule.state_dict() if hasattr(datamodule, "state_dict") else {}
-    # LoRA: the checkpoint holds the adapters only, and names the frozen base they need (lit_fsdp.lora.base_record)
+    # LoRA: the checkpoint holds what trains only, and names the frozen base it needs (lit_fsdp.lora.base_record)
     adapters = getattr(getattr(trainer, "lightning_module", None), "adapter_checkpoint", None)
-    lora = {} if adapters is None else {"weights": "LoRA adapters only, without the frozen base", "lora": adapters}
+    lora = {} if adapters is None else {"lora": adapters, "weights": "LoRA adapters " + (
+        "and the modules trained beside them" if adapters["lora"].get("train") else "only") + ", without the frozen base"}
     return {
         **lora,
         "format": FORMAT,
@@ -323,20 +324,23 @@ def checkpoint_size(strategy: Any, config: Any, world: int, nodes: int,
     head under each of its names), AdamW's two moments per parameter in the strategy's ``optimizer_state_dtype``
     (SlideFSDP; float32 elsewhere) and, where the strategy saves it (FSDP2's sharded checkpoints), every rank's
     compression state as ``CompressionConfig.state_bytes`` counts it; then ``SPACE_MARGIN`` more. With ``lora``
-    (``--model.lora``) the checkpoint holds the adapters, their moments and compression state only, no frozen base.
+    (``--model.lora``) the checkpoint holds what trains (the adapters, the modules trained beside them), their
+    moments and compression state only, no frozen base.
     """
     from transformers import AutoModelForCausalLM
 
-    from lit_fsdp.lora import adapter_parameters
+    from lit_fsdp.lora import as_config, attach
 
     with torch.device("meta"):
         network = AutoModelForCausalLM.from_config(config)
-    named = sum(p.numel() for _, p in network.named_parameters(remove_duplicate=False))
-    unique = sum(p.numel() for p in network.parameters())
     weights = "float32 weights"
-    if adapters := adapter_parameters(network, lora):
-        named = unique = adapters
-        weights = "LoRA adapters' float32 weights (no frozen base)"
+    if lora := as_config(lora):
+        attach(network, lora)
+        weights = "LoRA adapters' float32 weights" + (", and the modules trained beside them" if lora.train else "") \
+            + " (no frozen base)"
+    saved = [(name, p) for name, p in network.named_parameters(remove_duplicate=False) if p.requires_grad]
+    named = sum(p.numel() for _, p in saved)
+    unique = sum({id(p): p.numel() for _, p in saved}.values())
     dtype = getattr(strategy, "optimizer_state_dtype", "float32")
     state = unique * 2 * getattr(torch, dtype).itemsize
     counted = f"{weights}, AdamW's two moments in {dtype}"

@@ -59,19 +59,21 @@ def matmul_shape(config: PretrainedConfig) -> MatmulShape:
     )
 
 
-def flops_per_token(config: PretrainedConfig, seq_len: int, trained: int | None = None) -> int:
+def flops_per_token(config: PretrainedConfig, seq_len: int, trained: int | None = None, trained_matrices: int = 0) -> int:
     """Training (forward + backward) FLOPs per token at sequence length ``seq_len``, without recompute.
 
     ``trained``: the weights that get gradients where the rest is frozen (LoRA's adapters); None, every weight. A
     frozen matrix costs ``2n`` forward and ``2n`` for its input's gradient, but no weight gradient: ``4n``, and each
-    trained adapter weight ``6``.
+    trained adapter weight ``6``. ``trained_matrices``: the weights of the base's matrices trained beside the adapters
+    (``lit_fsdp.lora.trained_matrices``: the head, when tied to trained embeddings), ``2`` more each for their weight
+    gradient; trained embeddings and norms cost no matmul.
     """
     shape = matmul_shape(config)
     weights = shape.layers * shape.block_weights + shape.head_weights
     attention = 12 * shape.layers * shape.attention_width * seq_len
     if trained is None:
         return 6 * weights + attention
-    return 4 * weights + 6 * trained + attention
+    return 4 * weights + 6 * trained + 2 * trained_matrices + attention
 
 
 def recompute_flops_per_token(config: PretrainedConfig, seq_len: int, checkpoint_every: int) -> int:

@@ -5,12 +5,15 @@ parameters of its own, ``lora_A`` (rank x in) and ``lora_B`` (out x rank), peft'
 forward hook that adds ``dropout(x) @ A.T @ B.T * alpha / rank`` to its output. The base's state-dict keys stay
 those of the plain model, so meta-device building, initialisation by unit, pretrained loading and FSDP2's units
 work as without adapters; the adapters are ``<module>.lora_A`` and ``<module>.lora_B`` beside ``<module>.weight``.
-peft wraps the module instead, moving its weight to ``<module>.base_layer.weight``.
+peft wraps the module instead, moving its weight to ``<module>.base_layer.weight``. Modules named in ``train``
+(peft's ``modules_to_save``) stay trainable whole, in place, under their own names.
 
 A is initialised as peft does (Kaiming-uniform, a = sqrt(5)) and B with zeros, so a model starts as its base.
 Each module's A is drawn from a generator seeded with the run's seed and the module's name: the same on every
-rank and world size. Checkpoints of a LoRA run hold only the adapters; what they record of the base
-(``base_record``) must match the base a resume or an export rebuilds (``check_same_base``).
+rank and world size. Dropout masks are drawn the same way, from the key ``seed_dropout`` sets (the run's seed,
+the step, the micro-batch and the rank), so a resumed run draws the uninterrupted run's masks. Checkpoints of a
+LoRA run hold only what trains; what they record of the base (``base_record``) must match the base a resume or an
+export rebuilds (``check_same_base``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ DEFAULT_TARGETS: dict[str, list[str]] = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 ADAPTERS = ("lora_A", "lora_B")
+#: Words ``train`` accepts beside module names, and the modules they name.
+SHORTCUTS = {"embeddings": "every nn.Embedding", "norms": "every normalisation layer (a class named *Norm)"}
 # Config fields that do not describe the base's weights: left out of its fingerprint.
 _NOT_THE_BASE = ("transformers_version", "use_cache", "dtype", "torch_dtype", "architectures")
 
@@ -55,6 +60,10 @@ class LoraConfig:
     targets: list[str] | None = None
     """Linear modules to adapt, by name or name suffix (``q_proj``, ``attn.c_proj``); default: every linear layer of
     attention and MLP (GPT-2: c_attn, c_proj, c_fc; Llama: q/k/v/o_proj, gate/up/down_proj)."""
+    train: list[str] | None = None
+    """Whole modules of the base trained beside the adapters, as peft's modules_to_save: by name or name suffix
+    (``[wte, wpe, ln_f]``, ``[embed_tokens, norm]``) or ``embeddings`` (every nn.Embedding) and ``norms`` (every
+    normalisation layer); a head tied to the embeddings trains with them."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1 or not self.alpha > 0 or not 0 <= self.dropout < 1:
@@ -63,6 +72,9 @@ class LoraConfig:
         if self.targets is not None and (isinstance(self.targets, str) or not self.targets):
             raise OneLineError(f"--model.lora targets={self.targets!r}: give a list of module names, e.g. [q_proj, v_proj], "
                                "or leave it out for the architecture's defaults")
+        if self.train is not None and (isinstance(self.train, str) or not self.train):
+            raise OneLineError(f"--model.lora train={self.train!r}: give a list of module names, e.g. [embeddings, norms] "
+                               "or [wte, ln_f], or leave it out to train the adapters only")
 
     @property
     def scale(self) -> float:
@@ -70,7 +82,8 @@ class LoraConfig:
 
 
 def as_config(value: LoraConfig | dict[str, Any] | None) -> LoraConfig | None:
-    """``--model.lora`` as a ``LoraConfig`` (a checkpoint's hyperparameters hold it as a plain dict)."""
+    """``--model.lora`` as a ``LoraConfig`` (a checkpoint's hyperparameters hold it as a plain dict, perhaps without
+    the fields added since)."""
     return LoraConfig(**value) if isinstance(value, dict) else value
 
 
@@ -103,28 +116,98 @@ def target_paths(model: nn.Module, config: LoraConfig) -> list[str]:
     return sorted({p for found in paths.values() for p in found}, key=list(linear).index)
 
 
+def _names_module(name: str, path: str, module: nn.Module) -> bool:
+    if name == "embeddings":
+        return isinstance(module, nn.Embedding)
+    if name == "norms":
+        return type(module).__name__.endswith("Norm")
+    return path == name or path.endswith(f".{name}")
+
+
+def train_paths(model: nn.Module, config: LoraConfig, targets: list[str] | None = None) -> list[str]:
+    """The paths of the modules ``config.train`` names, trained whole beside the adapters (``targets``: the adapted
+    paths, default ``target_paths``); a head tied to the input embeddings is named by the embeddings' path. A name
+    that matches no module, or a module that is or holds an adapted one, is refused in one line."""
+    if not config.train:
+        return []
+    targets = target_paths(model, config) if targets is None else targets
+    modules = {clean_name(name): module for name, module in model.named_modules()
+               if name and next(module.parameters(), None) is not None}
+    found = {name: [p for p, m in modules.items() if _names_module(name, p, m)] for name in config.train}
+    unknown = [name for name, paths in found.items() if not paths]
+    if unknown:
+        owners = sorted({p.rpartition(".")[2] for p, m in modules.items()
+                         if next(m.parameters(recurse=False), None) is not None and p not in targets})
+        raise OneLineError(f"--model.lora train {unknown} name no module of this {model.config.model_type} model; "
+                           f"choose from {list(SHORTCUTS)} or {owners}")
+    chosen = [p for p in modules if any(p in paths for paths in found.values())]
+    adapted_too = [p for p in chosen if any(t == p or t.startswith(f"{p}.") for t in targets)]
+    if adapted_too:
+        raise OneLineError(f"--model.lora train {config.train} names {adapted_too[:3]}, which are or hold adapted "
+                           "modules; a module is adapted or trained whole: remove it from train or from targets")
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is embeddings.weight:  # tied: one parameter, trained once
+        names = {module: path for path, module in modules.items()}
+        chosen = [names[embeddings] if modules[p] is head else p for p in chosen]
+    chosen = list(dict.fromkeys(chosen))
+    return [p for p in chosen if not any(p.startswith(f"{outer}.") for outer in chosen)]
+
+
+def _on_meta(model: nn.Module | PretrainedConfig) -> nn.Module:
+    if isinstance(model, PretrainedConfig):
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model)
+    return model
+
+
 def adapter_parameters(model: nn.Module | PretrainedConfig, lora: LoraConfig | dict[str, Any] | None) -> int:
     """How many parameters ``attach`` adds to ``model`` (a config is built on the meta device): rank x (in + out) per
-    target module, A and B; 0 without ``lora``. What a LoRA run trains, and all its gradients and AdamW state hold."""
+    target module, A and B; 0 without ``lora``."""
     lora = as_config(lora)
     if lora is None:
         return 0
-    if isinstance(model, PretrainedConfig):
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model)
+    model = _on_meta(model)
     # in + out whichever way the weight is stored (Linear: out x in, Conv1D: in x out)
     return sum(lora.rank * sum(model.get_submodule(path).weight.shape) for path in target_paths(model, lora))
+
+
+def trained_parameters(model: nn.Module | PretrainedConfig, lora: LoraConfig | dict[str, Any] | None) -> int:
+    """What a LoRA run trains, and all its gradients, AdamW state and checkpoints hold: the adapters and the modules
+    of ``train`` (a tied head once); 0 without ``lora``."""
+    lora = as_config(lora)
+    if lora is None:
+        return 0
+    model = _on_meta(model)
+    whole = {id(p): p for path in train_paths(model, lora) for p in model.get_submodule(path).parameters()}
+    return adapter_parameters(model, lora) + sum(p.numel() for p in whole.values())
+
+
+def trained_matrices(model: nn.Module | PretrainedConfig, lora: LoraConfig | dict[str, Any] | None) -> int:
+    """The weights of the base's matrices (linear layers, the LM head) that ``train`` trains: each costs a weight
+    gradient more than a frozen one (``lit_fsdp.flops``); embedding lookups and norms cost none."""
+    lora = as_config(lora)
+    if lora is None or not lora.train:
+        return 0
+    model = _on_meta(model)
+    trained = {id(p) for path in train_paths(model, lora) for p in model.get_submodule(path).parameters()}
+    matrices = {id(m.weight): m.weight.numel() for m in model.modules()
+                if isinstance(m, (nn.Linear, Conv1D)) and id(m.weight) in trained}
+    return sum(matrices.values())
 
 
 # --- adapters on a module ------------------------------------------------------------------------
 
 
 def attach(model: nn.Module, config: LoraConfig, device: torch.device | str | None = None) -> list[str]:
-    """Freeze every parameter of ``model``, give each target module its adapters (on ``device``, default that of its
-    weight: the meta device before sharding) and the forward that adds them; returns the adapted modules' paths."""
+    """Freeze every parameter of ``model`` but those of the ``train`` modules, give each target module its adapters
+    (on ``device``, default that of its weight: the meta device before sharding) and the forward that adds them;
+    returns the adapted modules' paths."""
     paths = target_paths(model, config)
+    whole = train_paths(model, config, paths)
     for param in model.parameters():
         param.requires_grad_(False)
+    for path in whole:
+        model.get_submodule(path).requires_grad_(True)
     for path in paths:
         module = model.get_submodule(path)
         weight = module.weight
@@ -132,6 +215,7 @@ def attach(model: nn.Module, config: LoraConfig, device: torch.device | str | No
         module.lora_A = nn.Parameter(torch.empty(config.rank, fan_in, device=device or weight.device, dtype=torch.float32))
         module.lora_B = nn.Parameter(torch.empty(fan_out, config.rank, device=device or weight.device, dtype=torch.float32))
         module.lora_scale, module.lora_dropout = config.scale, config.dropout
+        module.lora_path, module.lora_seed = path, None
         module.lora_hook = module.register_forward_hook(_add_adapters)
     return paths
 
@@ -140,8 +224,27 @@ def _add_adapters(module: nn.Module, args: tuple[torch.Tensor, ...], output: tor
     """``output + dropout(x) @ A.T @ B.T * scale``: peft's LoRA forward, computed in the adapters' dtype (FSDP2's
     ``param_dtype`` once sharded)."""
     a, b = module.lora_A, module.lora_B
-    x = F.dropout(args[0], module.lora_dropout, module.training) if module.lora_dropout else args[0]
+    x = _dropout(module, args[0]) if module.lora_dropout and module.training else args[0]
     return output + (F.linear(F.linear(x.to(a.dtype), a), b) * module.lora_scale).to(output.dtype)
+
+
+@torch.compiler.disable  # a seed that changes every step would recompile a compiled block each step
+def _dropout(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Dropout with the mask drawn from ``module.lora_seed`` (``seed_dropout``): the same mask for the same key, so a
+    resumed run and an activation checkpoint's recompute draw the masks of the first pass; without a key, torch's."""
+    if module.lora_seed is None:
+        return F.dropout(x, module.lora_dropout, True)
+    generator = torch.Generator(device=x.device).manual_seed(module.lora_seed)
+    keep = torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1 - module.lora_dropout, generator=generator)
+    return x * keep / (1 - module.lora_dropout)  # autograd keeps the one-byte mask
+
+
+def seed_dropout(model: nn.Module, *key: int) -> None:
+    """Key every adapter's next dropout masks with ``key`` (the run's seed, the step, the micro-batch, the rank) and the
+    module's path: masks that depend on nothing a checkpoint does not restore."""
+    for _, module in adapted(model):
+        digest = hashlib.blake2b(repr((*key, module.lora_path)).encode(), digest_size=8).digest()
+        module.lora_seed = int.from_bytes(digest, "little") >> 1  # manual_seed takes up to 2**63 - 1
 
 
 def adapted(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -152,6 +255,12 @@ def adapted(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def adapter_names(model: nn.Module) -> set[str]:
     """The clean parameter names of every adapter: what a Hugging Face base folder does not hold."""
     return {f"{path}.{name}" for path, _ in adapted(model) for name in ADAPTERS}
+
+
+def trained_names(model: nn.Module) -> set[str]:
+    """The clean names of the parameters a LoRA model trains (a tied one under its first name): what its checkpoints
+    hold."""
+    return {clean_name(name) for name, param in model.named_parameters() if param.requires_grad}
 
 
 def init_adapters(model: nn.Module, seed: int) -> None:
@@ -174,7 +283,7 @@ def merge(model: nn.Module) -> None:
             delta = (module.lora_B.float() @ module.lora_A.float()) * module.lora_scale
             module.weight += (delta.t() if isinstance(module, Conv1D) else delta).to(module.weight.dtype)
             module.lora_hook.remove()
-            for name in (*ADAPTERS, "lora_hook", "lora_scale", "lora_dropout"):
+            for name in (*ADAPTERS, "lora_hook", "lora_scale", "lora_dropout", "lora_path", "lora_seed"):
                 delattr(module, name)
     model.requires_grad_(True)
 
@@ -187,12 +296,23 @@ def peft_adapter(model: nn.Module, config: LoraConfig, base: str | None) -> tupl
     modules = adapted(model)
     tensors = {f"base_model.model.{path}.{name}.weight": getattr(module, name).detach().float().contiguous()
                for path, module in modules for name in ADAPTERS}
+    whole = train_paths(model, config, [path for path, _ in modules])
+    for path in whole:  # peft's keys for modules_to_save: the module's own, without "modules_to_save.default"
+        for name, param in model.get_submodule(path).named_parameters():
+            tensors[f"base_model.model.{path}.{name}"] = param.detach().float().contiguous()
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    tie = head is not None and head.weight is embeddings.weight and any(model.get_submodule(p) is embeddings for p in whole)
+    if tie:  # peft (ensure_weight_tying) saves the tied head too, under its own name
+        names = {module: clean_name(name) for name, module in model.named_modules()}
+        tensors[f"base_model.model.{names[head]}.weight"] = tensors[f"base_model.model.{names[embeddings]}.weight"].clone()
     targets = config.targets or DEFAULT_TARGETS[model.config.model_type]
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": config.dropout, "target_modules": targets,
         "bias": "none", "fan_in_fan_out": any(isinstance(m, Conv1D) for _, m in modules),  # Conv1D's weight is in x out
-        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "init_lora_weights": True, "inference_mode": True,
+        # full paths: peft matches modules_to_save by suffix, and "h.1.ln_1" would also match "h.11.ln_1"
+        "modules_to_save": whole or None, "ensure_weight_tying": tie,
     }
     return adapter_config, tensors
 
@@ -200,11 +320,13 @@ def peft_adapter(model: nn.Module, config: LoraConfig, base: str | None) -> tupl
 # --- the base an adapter checkpoint belongs to ---------------------------------------------------
 
 
-def _checksum(param: torch.Tensor) -> float:
-    """The float64 sum of a parameter's values, over every rank's shard (a collective for a DTensor)."""
-    if isinstance(param, DTensor):
-        return float(torch.sum(param.detach(), dtype=torch.float64).full_tensor())
-    return float(torch.sum(param.detach(), dtype=torch.float64))
+def _checksum(param: torch.Tensor, dtype: torch.dtype | None = None) -> float:
+    """The float64 sum of a parameter's values (rounded to ``dtype`` first, if given), over every rank's shard (a
+    collective for a DTensor)."""
+    values = param.detach() if dtype is None else param.detach().to(dtype)
+    if isinstance(values, DTensor):
+        return float(torch.sum(values, dtype=torch.float64).full_tensor())
+    return float(torch.sum(values, dtype=torch.float64))
 
 
 def base_record(model: nn.Module, config: LoraConfig, base: str, seed: int) -> dict[str, Any]:
@@ -219,6 +341,9 @@ def base_record(model: nn.Module, config: LoraConfig, base: str, seed: int) -> d
         "lora": asdict(config), "base": base, "init_seed": seed,
         "config_sha256": hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest(),
         "weight_sums": {name: _checksum(param) for name, param in weights.items()},
+        # rounded to bfloat16: the same whether the base is held in float32 (FSDP2, export) or only in bfloat16
+        # (SlideFSDP's frozen copy); compared where both records have them
+        "weight_sums_bf16": {name: _checksum(param, torch.bfloat16) for name, param in weights.items()},
     }
 
 
@@ -229,14 +354,15 @@ def check_same_base(saved: dict[str, Any], current: dict[str, Any], checkpoint: 
         fix = f"resume it on the base it was trained on, {saved['base']}, with --model.lora '{json.dumps(saved['lora'])}'"
         if saved["base"].startswith("preset "):  # a preset's random weights are drawn from the run's seed
             fix += f" and --seed_everything {saved['init_seed']}"
-    if saved["lora"] != current["lora"]:
+    if asdict(as_config(saved["lora"])) != asdict(as_config(current["lora"])):  # older records lack newer fields
         raise RunError(f"checkpoint {checkpoint} holds LoRA adapters {json.dumps(saved['lora'])}, but this run's "
                        f"--model.lora is {json.dumps(current['lora'])}; {fix}")
     if saved["config_sha256"] != current["config_sha256"]:
         raise RunError(f"checkpoint {checkpoint} holds LoRA adapters for another model config than this run's "
                        f"({current['base']}); {fix}")
-    for name, total in saved["weight_sums"].items():
-        now = current["weight_sums"].get(name)
+    sums = "weight_sums_bf16" if "weight_sums_bf16" in saved and "weight_sums_bf16" in current else "weight_sums"
+    for name, total in saved[sums].items():
+        now = current[sums].get(name)
         if now is None or not math.isclose(total, now, rel_tol=1e-9, abs_tol=1e-9):
             raise RunError(f"checkpoint {checkpoint} holds LoRA adapters trained on another base: the {name} weights "
                            f"of {current['base']} sum to {now}, the checkpoint's base's to {total}; {fix}")

@@ -58,8 +58,9 @@ class CausalLM(pl.LightningModule):
             min_lr_ratio: Final learning rate as a fraction of the peak.
             loss_chunk_tokens: Tokens whose full-vocabulary logits the loss makes at once (the head computes the
                 loss and its gradient chunk by chunk, so a step's whole logits never exist); 0 for the plain loss.
-            lora: Train low-rank adapters on the frozen model instead of the model, e.g. ``{rank: 16, alpha: 32}``
-                (``lit_fsdp.lora.LoraConfig``); checkpoints then hold only the adapters.
+            lora: Train low-rank adapters on the frozen model instead of the model, e.g. ``{rank: 16, alpha: 32}``,
+                and chosen modules whole beside them (``train: [embeddings, norms]``) (``lit_fsdp.lora.LoraConfig``);
+                checkpoints then hold only what trains.
         """
         super().__init__()
         self._lora = lora_adapters.as_config(lora)
@@ -76,13 +77,14 @@ class CausalLM(pl.LightningModule):
         if loss_chunk_tokens < 0:
             raise ValueError(f"--model.loss_chunk_tokens is {loss_chunk_tokens}; give a positive number of tokens, "
                              "or 0 for the plain loss")
-        if self._lora is not None:  # an unknown target fails here, before any process starts
+        if self._lora is not None:  # an unknown target or trained module fails here, before any process starts
             with torch.device("meta"):
-                lora_adapters.target_paths(AutoModelForCausalLM.from_config(self.hf_config()), self._lora)
+                lora_adapters.attach(AutoModelForCausalLM.from_config(self.hf_config()), self._lora)
         self.model: torch.nn.Module | None = None
         self.val_loss = MeanMetric()
         self._init_seed = 0
         self._base_record: dict[str, Any] | None = None
+        self._dropout_key = (-1, -1)  # (optimizer step, micro-batch within it) of LoRA's last dropout masks
 
     # --- model -----------------------------------------------------------------------------------
 
@@ -122,14 +124,14 @@ class CausalLM(pl.LightningModule):
         self._init_seed = torch.initial_seed()
 
     def _check_lora_strategy(self) -> None:
-        """Refuse LoRA on a strategy that would save the frozen base in every checkpoint (or stream it, SlideFSDP)."""
-        from lit_fsdp.strategy import FSDP2Strategy
+        """Refuse LoRA on a strategy that would save the frozen base in every checkpoint (DDP)."""
+        from lit_fsdp.strategy import CausalLMStrategy  # FSDP2Strategy and offload.SlideFSDPStrategy
 
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if strategy is not None and not isinstance(strategy, FSDP2Strategy):
-            raise RunError(f"--model.lora needs lit_fsdp.strategy.FSDP2Strategy, which saves adapter-only checkpoints; "
-                           f"{type(strategy).__name__} does not: use FSDP2Strategy (with cpu_offload true to keep the "
-                           "base on the host)")
+        if strategy is not None and not isinstance(strategy, CausalLMStrategy):
+            raise RunError(f"--model.lora needs lit_fsdp.strategy.FSDP2Strategy or offload.SlideFSDPStrategy, which "
+                           f"save adapter-only checkpoints; {type(strategy).__name__} does not: use FSDP2Strategy (with "
+                           "cpu_offload true to keep the base on the host) or SlideFSDPStrategy")
 
     def initialize_weights(self, blocks: list[tuple[str, torch.nn.Module]]) -> None:
         """Write initial values into the sharded parameters: pretrained rows or a seeded random init."""
@@ -174,6 +176,8 @@ class CausalLM(pl.LightningModule):
                 logger.log_metrics({"data/entropy_rate": entropy_rate}, step=0)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self._lora is not None and self._lora.dropout:
+            self._seed_dropout()
         loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         if "step_targets" not in batch:  # every micro-batch holds as many targets: the mean of means is the mean
@@ -181,6 +185,14 @@ class CausalLM(pl.LightningModule):
         trainer = self.trainer
         return step_normalised(loss, batch["labels"], batch["step_targets"], trainer.world_size,
                                trainer.accumulate_grad_batches)
+
+    def _seed_dropout(self) -> None:
+        """Key LoRA's dropout masks by the run's seed, the optimizer step, the micro-batch within it and the rank: all
+        restored by a resume (which starts at a step's first micro-batch), so it draws the uninterrupted run's masks."""
+        step = self.trainer.global_step
+        micro = self._dropout_key[1] + 1 if self._dropout_key[0] == step else 0
+        self._dropout_key = (step, micro)
+        lora_adapters.seed_dropout(self.model, self._init_seed, step, micro, self.trainer.global_rank)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.val_loss.update(self._loss(batch), weight=target_count(batch["labels"]))
@@ -233,7 +245,7 @@ class CausalLM(pl.LightningModule):
         # Enough to rebuild the network without this code's defaults, read its text and evaluate it as it was
         # trained: used by `lit_fsdp export`, `generate` and `evaluate`.
         checkpoint["hf_config"] = self.model.config.to_dict()
-        if self._base_record is not None:  # adapters only: the base they need, for resume and export
+        if self._base_record is not None:  # what trains only: the base it needs, for resume and export
             checkpoint["lora"] = self._base_record
         datamodule = getattr(self._trainer, "datamodule", None)
         tokenizer = getattr(datamodule, "tokenizer", None)

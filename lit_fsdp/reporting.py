@@ -14,8 +14,8 @@ import lightning.pytorch as pl
 import torch
 
 if TYPE_CHECKING:
+    from compress.communicator import CommStats
     from compress.config import CompressionConfig
-    from compress.hook import GradientCompression
 
 
 class OffloadReport(Protocol):
@@ -37,6 +37,21 @@ class OffloadReport(Protocol):
         """What the host-memory preflight counted for the same buffers, per node, by buffer."""
 
 
+class CompressionReport(Protocol):
+    """What ``callbacks.CompressionStats`` reads of the strategy's compression: the per-step hook
+    (``compress.hook.GradientCompression``) or semi-synchronous training's outer exchange (``lit_fsdp.diloco.OuterSync``)."""
+
+    #: The codec's configuration (method, parameters, warm-up).
+    config: CompressionConfig
+    #: This rank's counters; ``bytes_raw`` is what per-step float32 gradient collectives would send.
+    stats: CommStats
+    #: The built codec (its residuals, for error feedback); None for ``none``.
+    compressor: Any
+
+    def figures(self) -> dict[str, Any]:
+        """Run figures for the results record beyond the counters (the outer synchronisations'); {} for none."""
+
+
 class StrategyReport(ABC):
     """The figures a strategy gives the callbacks (``callbacks/``): its name, compression, dtype and offload."""
 
@@ -52,9 +67,13 @@ class StrategyReport(ABC):
     def compute_dtype(self) -> torch.dtype:
         """The dtype the matmuls run in (MFU's peak)."""
 
-    def compression_hook(self) -> GradientCompression | None:
-        """The installed gradient compression hook (its counters and state), None where gradients go uncompressed."""
+    def compression_hook(self) -> CompressionReport | None:
+        """The installed gradient compression (its counters and state), None where gradients go uncompressed."""
         return None
+
+    def compression_method(self) -> str:
+        """The run's compression in records and run names: the method, ``none`` without one."""
+        return "none" if self.compression is None else self.compression.method
 
     def offload_report(self) -> OffloadReport | None:
         """The layer streaming's figures, None for a strategy that streams nothing (or before its engine is built)."""

@@ -30,17 +30,20 @@ from compress.communicator import CommStats
 from compress.config import CompressionConfig
 from compress.hook import GradientCompression
 from compress.torch_compat import bf16_native
+from lit_fsdp.diloco import (OuterConfig, OuterSync, load_replica_state, outer_fragments, replica_state,
+                             replicate_group)
 from lit_fsdp.lightning_compat import default_process_group_backend as _get_default_process_group_backend_for_device
 from lit_fsdp.lightning_compat import optimizers_to_device as _optimizers_to_device
 from lit_fsdp.lightning_compat import set_num_threads_if_needed as _set_num_threads_if_needed
 from lit_fsdp.parallelize import ShardingPlan, parallelize
 from lit_fsdp.reliability import AtomicCheckpoints, NonFiniteGuard, OnNonFinite
-from lit_fsdp.reporting import StrategyReport
+from lit_fsdp.reporting import CompressionReport, StrategyReport
 from lit_fsdp.weights import materialize
 
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _HOOK_STATE = "comm_hook."  # checkpoint keys of each rank's compression state: comm_hook.rank<r>/<key>
+_OUTER_STATE = "outer."  # each rank's semi-synchronous state and replica: outer.rank<r>/<key>
 ADAM_STATE_BYTES = 16  # FSDP2's model states per trained parameter: fp32 weight, gradient and two AdamW moments
 FROZEN_STATE_BYTES = 4  # per frozen parameter (LoRA's base): its sharded fp32 weight, no gradient, no AdamW state
 _GIB = 2**30
@@ -115,9 +118,8 @@ def check_device_memory(parameters: int, rows: int, mesh: tuple[int, ...], cpu_o
     if states > device_bytes or not kept:
         raise ValueError(
             f"FSDP2's model states need {states / _GIB:.1f} GiB per GPU for {billions} ({each} "
-            f"over {shard} shard(s)) but {have}; shard over more GPUs (sharding FULL_SHARD, more devices)"
-            + (" or" if lora else ",") + " set --trainer.strategy.init_args.cpu_offload true"
-            + ("" if lora else " or use offload.SlideFSDPStrategy")  # SlideFSDP does not train LoRA
+            f"over {shard} shard(s)) but {have}; shard over more GPUs (sharding FULL_SHARD, more devices), set "
+            "--trainer.strategy.init_args.cpu_offload true or use offload.SlideFSDPStrategy"
         )
     assert compression is not None
     per = compression.state_bytes_per_param(rows)
@@ -128,6 +130,28 @@ def check_device_memory(parameters: int, rows: int, mesh: tuple[int, ...], cpu_o
         f"{what} need {kept / _GIB:.1f} GiB per GPU ({per:g} bytes per trained parameter of the whole model, for "
         f"{billions}; sharding does not divide them) beside {states / _GIB:.1f} GiB of model states, but {have}: {fix}"
     )
+
+
+def _semi_synchronous(sync_every: int, outer: OuterConfig | dict | None, comm_hook: Any,
+                      save_distributed_checkpoint: bool) -> tuple[int, OuterConfig | None]:
+    """``sync_every`` and its ``OuterConfig`` (DiLoCo's defaults when unset), or a one-line refusal."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 0:
+        raise ValueError(f"sync_every={sync_every!r}: give the optimizer steps between synchronisations of the replica "
+                         "groups, an integer >= 1, or 0 to synchronise every step")
+    if not sync_every:
+        if outer is not None:
+            raise ValueError("outer sets the outer step of semi-synchronous training; set sync_every too (e.g. 32)")
+        return 0, None
+    if comm_hook is not None:
+        raise ValueError(f"sync_every={sync_every} exchanges pseudo-gradients between replicas every {sync_every} steps, "
+                         "which a per-step compression hook cannot take part in; drop compression/comm_hook and give "
+                         "the codec as outer.codec (e.g. {method: int8, num_bits: 4})")
+    if not save_distributed_checkpoint:
+        raise ValueError(f"sync_every={sync_every}: each replica's weights differ between synchronisations and every "
+                         "rank checkpoints its own; keep save_distributed_checkpoint true")
+    config = OuterConfig(**outer) if isinstance(outer, dict) else outer or OuterConfig()
+    config.check(sync_every)
+    return sync_every, config
 
 
 def check_precision(trainer: pl.Trainer, strategy: Any) -> None:
@@ -305,6 +329,27 @@ class CausalLMStrategy(NonFiniteGuard, AtomicCheckpoints, ModelParallelStrategy,
     def compute_dtype(self) -> torch.dtype:
         return self.resolve_dtype(self.param_dtype)
 
+    def _holds_adapters(self, path: Path) -> bool:
+        """Whether ``path`` is a LoRA checkpoint (adapters only) for this run's base; refused in one line where one of
+        the two is LoRA and the other not, or where the checkpoint's base or adapters differ from this run's."""
+        from lit_fsdp import checkpoints, lora
+
+        self.verify_checkpoint(path)
+        saved = (checkpoints.inspect(path).manifest or {}).get("lora")
+        current = getattr(self.lightning_module, "adapter_checkpoint", None)
+        if saved is None and current is not None:
+            raise checkpoints.CheckpointError(
+                f"checkpoint {path} holds a whole model, not LoRA adapters; to fine-tune it with --model.lora, export "
+                f"it (python -m lit_fsdp export {path} FOLDER) and start from --model.pretrained_path FOLDER")
+        if saved is not None and current is None:
+            raise checkpoints.CheckpointError(
+                f"checkpoint {path} holds only LoRA adapters, for the base {saved['base']}; resume it with "
+                f"--model.lora '{json.dumps(saved['lora'])}' on that base, or export it merged: python -m lit_fsdp "
+                f"export {path} FOLDER")
+        if saved is not None:
+            lora.check_same_base(saved, current, path)
+        return saved is not None
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         summary = (cls.__doc__ or cls.__name__).strip().splitlines()[0]
@@ -331,6 +376,8 @@ class FSDP2Strategy(CausalLMStrategy):
         comm_hook: GradientCommHook | None = None,
         compression: CompressionConfig | None = None,
         on_nonfinite: OnNonFinite = "stop",
+        sync_every: int = 0,
+        outer: OuterConfig | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -360,6 +407,11 @@ class FSDP2Strategy(CausalLMStrategy):
             on_nonfinite: A step whose loss or gradient norm is not finite (or whose compressed gradients held
                 non-finite values): ``stop`` the run with a one-line error before the update, ``skip_step`` on every
                 rank, or ``warn`` and apply it.
+            sync_every: Semi-synchronous training (DiLoCo): each replica group (HYBRID_SHARD's shard groups; with
+                NO_SHARD each rank) takes this many optimizer steps on its own, then the groups average and apply
+                their pseudo-gradients (``outer``); 0 synchronises every step's gradients.
+            outer: The outer step with ``sync_every``: learning rate, momentum, the pseudo-gradients' codec,
+                streaming fragments and delay (``lit_fsdp.diloco.OuterConfig``; default DiLoCo's).
             save_distributed_checkpoint: Sharded checkpoint folder (one file per rank); False writes one full file.
             process_group_backend: ``gloo``, ``nccl`` or per device (``cpu:gloo,cuda:nccl``); default from the device,
                 and ``cpu:gloo,cuda:nccl`` on GPUs with ``cpu_offload`` (gradient norms of CPU DTensors need gloo).
@@ -385,11 +437,16 @@ class FSDP2Strategy(CausalLMStrategy):
         self.comm_hook = comm_hook
         self.fsdp_modules: list[FSDPModule] = []
         self._nonfinite_seen = 0
+        self.sync_every, self.outer = _semi_synchronous(sync_every, outer, comm_hook, save_distributed_checkpoint)
+        self.outer_sync: OuterSync | None = None
+        self._outer_group: dist.ProcessGroup | None = None
 
     @property
     def label(self) -> str:
-        """``fsdp2`` for FULL_SHARD, ``fsdp2_shard_grad_op``, ``fsdp2_no_shard`` or ``fsdp2_hybrid_shard`` otherwise."""
-        return "fsdp2" if self.sharding == "FULL_SHARD" else f"fsdp2_{self.sharding.lower()}"
+        """``fsdp2`` for FULL_SHARD, ``fsdp2_shard_grad_op``, ``fsdp2_no_shard`` or ``fsdp2_hybrid_shard`` otherwise;
+        ``_diloco<H>`` after it when semi-synchronous."""
+        label = "fsdp2" if self.sharding == "FULL_SHARD" else f"fsdp2_{self.sharding.lower()}"
+        return f"{label}_diloco{self.sync_every}" if self.sync_every else label
 
     # --- mesh ------------------------------------------------------------------------------------
 
@@ -400,24 +457,32 @@ class FSDP2Strategy(CausalLMStrategy):
     def mesh_shape(self, world_size: int, num_nodes: int) -> tuple[int, ...]:
         """(shard,) for FULL_SHARD / SHARD_GRAD_OP, (replicate, shard) for NO_SHARD / HYBRID_SHARD."""
         if self.sharding == "NO_SHARD":
-            return (world_size, 1)
-        if self.sharding == "HYBRID_SHARD":
+            shape = (world_size, 1)
+        elif self.sharding == "HYBRID_SHARD":
             replicas = self.replicate_size or num_nodes
             if world_size % replicas:
                 raise ValueError(
                     f"HYBRID_SHARD: replicate_size={replicas} does not divide the world size {world_size}; "
                     f"set --trainer.strategy.init_args.replicate_size to a divisor of {world_size}"
                 )
-            return (replicas, world_size // replicas)
-        return (world_size,)
+            shape: tuple[int, ...] = (replicas, world_size // replicas)
+        else:
+            shape = (world_size,)
+        if self.sync_every and (len(shape) == 1 or shape[0] == 1):
+            raise ValueError(
+                f"sync_every={self.sync_every} synchronises replica groups, but {self.sharding} on {world_size} "
+                f"process(es) has {'no replicate dimension' if len(shape) == 1 else 'one replica'}; use sharding "
+                "HYBRID_SHARD with replicate_size >= 2 (or NO_SHARD on 2+ processes), or sync_every 0")
+        return shape
 
     # --- model -----------------------------------------------------------------------------------
 
     def sharding_plan(self) -> ShardingPlan:
         param_dtype = self.resolve_dtype(self.param_dtype)
         mesh = self.device_mesh
-        if mesh.ndim == 2 and self.comm_hook is not None and self.comm_hook.replaces_replicate_all_reduce:
-            mesh = mesh["shard"]
+        if mesh.ndim == 2 and (self.sync_every or self.comm_hook is not None
+                               and self.comm_hook.replaces_replicate_all_reduce):
+            mesh = mesh["shard"]  # the replicas average elsewhere: in the hook, or every sync_every steps
         return ShardingPlan(
             mesh=mesh,
             reshard_after_forward=self.sharding in ("FULL_SHARD", "HYBRID_SHARD"),
@@ -436,6 +501,10 @@ class FSDP2Strategy(CausalLMStrategy):
         super().preflight(trainer, module, datamodule)
         self.check_compression(trainer)
         self.check_device_memory(trainer, module)
+        if self.sync_every:
+            assert self.outer is not None
+            blocks = module.hf_config().num_hidden_layers
+            self.outer.check_units(-(-blocks // self.blocks_per_group) + 1)  # the blocks' units and the root
 
     def check_compression(self, trainer: Any) -> None:
         """Unknown methods, out-of-range parameters, replicas a method cannot serve (fit's preflight and ``estimate``)."""
@@ -452,16 +521,17 @@ class FSDP2Strategy(CausalLMStrategy):
             return
         from transformers import AutoModelForCausalLM
 
-        from lit_fsdp.lora import adapter_parameters
+        from lit_fsdp.lora import adapter_parameters, trained_parameters
 
         config = module.hf_config()
         with torch.device("meta"):
             network = AutoModelForCausalLM.from_config(config)
-        adapters = adapter_parameters(network, (getattr(module, "hparams", None) or {}).get("lora"))
-        parameters = sum(p.numel() for p in network.parameters()) + adapters
+        lora = (getattr(module, "hparams", None) or {}).get("lora")
+        parameters = sum(p.numel() for p in network.parameters()) + adapter_parameters(network, lora)
         mesh = self.mesh_shape(trainer.num_nodes * trainer.num_devices, trainer.num_nodes)
         check_device_memory(parameters, config.hidden_size, mesh, self.cpu_offload, self.compression,
-                            torch.cuda.get_device_properties(device).total_memory, trained=adapters or parameters)
+                            torch.cuda.get_device_properties(device).total_memory,
+                            trained=trained_parameters(network, lora) or parameters)
 
     def is_placed(self, network: torch.nn.Module) -> bool:
         return isinstance(network, FSDPModule)
@@ -474,6 +544,10 @@ class FSDP2Strategy(CausalLMStrategy):
         if self.comm_hook is not None:
             for fsdp_module in self.fsdp_modules:
                 self.comm_hook.register(fsdp_module, self.device_mesh)
+        if self.sync_every:
+            assert self.outer is not None and self._outer_group is not None
+            fragments = outer_fragments(self.fsdp_modules, self.outer)
+            self.outer_sync = OuterSync(self.outer, self.sync_every, fragments, self._outer_group, self.root_device)
 
     def move_module(self, module: pl.LightningModule) -> None:
         if not self.cpu_offload:
@@ -489,8 +563,35 @@ class FSDP2Strategy(CausalLMStrategy):
         if not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def compression_hook(self) -> GradientCompression | None:
+    def compression_hook(self) -> CompressionReport | None:
+        if self.outer_sync is not None:
+            return self.outer_sync
         return self.comm_hook if isinstance(self.comm_hook, GradientCompression) else None
+
+    def compression_method(self) -> str:
+        if not self.sync_every:
+            return super().compression_method()
+        assert self.outer is not None
+        return f"diloco{self.sync_every}_{self.outer.codec.method}" + ("_streaming" if self.outer.fragments > 1 else "")
+
+    # --- semi-synchronous training -------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.sync_every:
+            assert self.outer is not None
+            self._outer_group = replicate_group(self.device_mesh, on_host=self.outer.state_device == "cpu")
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.outer_sync is not None:
+            self.outer_sync.after_step()
+        return output
+
+    def teardown(self) -> None:
+        if self.outer_sync is not None:
+            self.outer_sync.close()
+        super().teardown()
 
     def replacement_optimizer(self, params: Any, **adamw: Any) -> torch.optim.Optimizer | None:
         """The optimizer the compression method needs instead of AdamW (1-bit Adam's), from AdamW's arguments; None: AdamW."""
@@ -509,7 +610,7 @@ class FSDP2Strategy(CausalLMStrategy):
     # --- the comm hook's state in checkpoints -------------------------------------------------------
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's sharded state (with LoRA, the adapters only: the frozen base is read again from where it came),
+        """The model's sharded state (with LoRA, what trains only: the frozen base is read again from where it came),
         and this rank's compression state (residuals, warm starts) under its rank."""
         if getattr(self.lightning_module, "adapter_checkpoint", None) is None:
             state = super().lightning_module_state_dict()
@@ -518,6 +619,9 @@ class FSDP2Strategy(CausalLMStrategy):
         if self.comm_hook is not None and self._save_distributed_checkpoint:
             hook_state = self.comm_hook.state_dict()
             state.update({f"{_HOOK_STATE}rank{self.global_rank}/{key}": value for key, value in hook_state.items()})
+        if self.outer_sync is not None:  # the replicas differ between synchronisations: each rank keeps its own
+            outer_state = {**self.outer_sync.state_dict(), **replica_state(self.model, self.optimizers)}
+            state.update({f"{_OUTER_STATE}rank{self.global_rank}/{key}": value for key, value in outer_state.items()})
         return state
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -530,29 +634,17 @@ class FSDP2Strategy(CausalLMStrategy):
             self.lightning_module.strict_loading = False
             metadata = super().load_checkpoint(checkpoint_path, weights_only)
         if self.comm_hook is not None:
-            self._load_hook_state(Path(self.broadcast(str(checkpoint_path))))
+            state = self._rank_state(path, _HOOK_STATE, "compression state (error-feedback residuals, warm starts)")
+            if state is not None:
+                self.comm_hook.load_state_dict({key: value.to(self.root_device) for key, value in state.items()})
+        if self.outer_sync is not None:
+            state = self._rank_state(path, _OUTER_STATE, "outer state (theta_outer, momentum, each replica's weights)")
+            if state is None:
+                raise ValueError(f"checkpoint {path} holds no semi-synchronous state for rank {self.global_rank}: resume "
+                                 "it on the same number of processes with the same sync_every")
+            self.outer_sync.load_state_dict(state)
+            load_replica_state(self.model, self.optimizers, state)
         return metadata
-
-    def _holds_adapters(self, path: Path) -> bool:
-        """Whether ``path`` is a LoRA checkpoint (adapters only) for this run's base; refused in one line where one of
-        the two is LoRA and the other not, or where the checkpoint's base or adapters differ from this run's."""
-        from lit_fsdp import checkpoints, lora
-
-        self.verify_checkpoint(path)
-        saved = (checkpoints.inspect(path).manifest or {}).get("lora")
-        current = getattr(self.lightning_module, "adapter_checkpoint", None)
-        if saved is None and current is not None:
-            raise checkpoints.CheckpointError(
-                f"checkpoint {path} holds a whole model, not LoRA adapters; to fine-tune it with --model.lora, export "
-                f"it (python -m lit_fsdp export {path} FOLDER) and start from --model.pretrained_path FOLDER")
-        if saved is not None and current is None:
-            raise checkpoints.CheckpointError(
-                f"checkpoint {path} holds only LoRA adapters, for the base {saved['base']}; resume it with "
-                f"--model.lora '{json.dumps(saved['lora'])}' on that base, or export it merged: python -m lit_fsdp "
-                f"export {path} FOLDER")
-        if saved is not None:
-            lora.check_same_base(saved, current, path)
-        return saved is not None
 
     def _trainable_state(self, full: bool) -> dict[str, Any]:
         """The module's state without its frozen parameters (LoRA's base), under any of their names: torch's
@@ -589,25 +681,26 @@ class FSDP2Strategy(CausalLMStrategy):
                                      options=StateDictOptions(cpu_offload=True))
         return checkpoints.load(path / METADATA_FILENAME)
 
-    def _load_hook_state(self, path: Path) -> None:
-        """Each rank reads back its own compression state (a collective); another world size starts it afresh."""
+    def _rank_state(self, path: Path, family: str, what: str) -> dict[str, torch.Tensor] | None:
+        """This rank's own tensors saved under ``<family>rank<r>/`` (a collective), on the CPU; None where the
+        checkpoint is one file, holds none, or was saved by another number of processes (then ``what`` starts afresh)."""
         import torch.distributed.checkpoint as dcp
 
         if not path.is_dir():
-            return
+            return None
         entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        prefix = f"state_dict.{_HOOK_STATE}rank{self.global_rank}/"
-        mine = {key.removeprefix("state_dict."): entry for key, entry in entries.items() if key.startswith(prefix)}
-        saved_by_others = any(key.startswith(f"state_dict.{_HOOK_STATE}") for key in entries)
+        prefix = f"{family}rank{self.global_rank}/"
+        mine = {key.removeprefix("state_dict."): entry for key, entry in entries.items()
+                if key.startswith(f"state_dict.{prefix}")}
+        saved_by_others = any(key.startswith(f"state_dict.{family}") for key in entries)
         if saved_by_others and not self.reduce_boolean_decision(bool(mine), all=True):
-            rank_zero_warn("the checkpoint's compression state (error-feedback residuals, warm starts) was saved by "
-                           "another number of processes; it starts afresh")
-            return
+            rank_zero_warn(f"the checkpoint's {what} was saved by another number of processes; it starts afresh")
+            return None
+        if not saved_by_others:
+            return None
         state = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in mine.items()}
         dcp.load({"state_dict": state}, checkpoint_id=str(path))
-        device = self.root_device
-        self.comm_hook.load_state_dict({key.removeprefix(prefix.removeprefix("state_dict.")): value.to(device)
-                                        for key, value in state.items()})
+        return {key.removeprefix(prefix): value for key, value in state.items()}
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

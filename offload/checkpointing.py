@@ -93,6 +93,10 @@ class CheckpointedBlock(nn.Module):
         block = self._checkpoint_wrapped_module
         if not torch.is_grad_enabled():
             return block(hidden_states, *args, **kwargs)
+        if not hidden_states.requires_grad and any(p.requires_grad for p in block.parameters()):
+            # A frozen embedding (LoRA) gives an input without a graph, and a Function's output has one only if an
+            # input has: without this the block's adapters would get no gradient
+            hidden_states = hidden_states.detach().requires_grad_(True)
 
         def run(hidden: torch.Tensor) -> torch.Tensor:
             return block(hidden, *args, **kwargs)

@@ -3,7 +3,8 @@
 The LightningModule's ``configure_optimizers`` builds its AdamW (parameter groups, hyperparameters)
 and LR schedule as under FSDP2; under SlideFSDP that optimizer holds the network's parameters,
 which carry no values between steps, so it never updates anything itself. Each unit gets a fused
-CPU ``torch.optim.AdamW`` over this rank's rows of the unit's parameters (views of the master shard),
+CPU ``torch.optim.AdamW`` over this rank's rows of the unit's trained parameters (views of the master shard; a unit
+with nothing to train, LoRA's root, gets none),
 with one group per group of the held optimizer; before every update the learning rate and the other
 hyperparameters are copied from the held optimizer, so the LR scheduler drives the CPU updates.
 Moments are allocated at setup, so host memory is claimed before training starts.
@@ -107,9 +108,14 @@ class CpuAdam:
         self.pieces: list[list[nn.Parameter]] = []
         self.layouts = layouts
         self.piece_groups: list[list[dict]] = []  # per unit, the group of each piece (groups are fixed once built)
-        self.optimizers: list[torch.optim.AdamW] = []
+        self.optimizers: list[torch.optim.AdamW | None] = []  # None: the unit trains nothing
         for layout, shard in zip(layouts, master):
             pieces = [nn.Parameter(view) for view in layout.local_views(shard)]
+            if not pieces:
+                self.pieces.append([])
+                self.piece_groups.append([])
+                self.optimizers.append(None)
+                continue
             groups: dict[int, list[nn.Parameter]] = {}
             for place, piece in zip(layout.places, pieces):
                 if id(place.param) not in group_of:
@@ -156,7 +162,7 @@ class CpuAdam:
         """Host bytes of the optimizer moments (the per-piece step counters left out)."""
         return sum(
             t.numel() * t.element_size()
-            for optimizer in self.optimizers for state in optimizer.state.values()
+            for optimizer in self.optimizers if optimizer is not None for state in optimizer.state.values()
             for key, t in state.items() if key != "step"
         )
 

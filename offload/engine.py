@@ -8,7 +8,9 @@
   When the last gradient of a unit's parameters has accumulated, the unit's gradients are reduced
   and copied to the host, its slot is released, and its CPU update starts on the worker thread while
   the device goes on with the units before it. The root's parameters go one by one (``gradient_parts``): the
-  head's update starts with the backward, the embeddings' at its end.
+  head's update starts with the backward, the embeddings' at its end. Only trained parameters have gradients: a
+  block with frozen ones (LoRA's base) still uses them after its adapters' last gradient (its input's gradient needs
+  them), so it is released once the backward has reached the block below (``before_backward``) or ended.
 - **optimizer step**: wait for the outstanding updates; with clipping (or ``on_nonfinite: skip_step``),
   first the global norm, then every update (the updates cannot start before the norm is known: that
   overlap is lost), unless they are delayed by one step (``delayed_update``, ZeRO-Offload's DPU): then
@@ -81,11 +83,16 @@ class SlideEngine:
     ):
         """
         Args:
-            blocks: The network's blocks in forward order; ``layouts`` has one layout per block, then the root.
+            blocks: The network's blocks in forward order; ``layouts`` has one layout per block, then the root (every
+                parameter; ``gradients.layouts`` are the trained ones).
         """
         self.network = network
         self.layouts = layouts
         self.root = len(layouts) - 1
+        # blocks with frozen parameters, which their backward uses after the last gradient (``_backward_done``)
+        self.partly_frozen = {unit for unit, (layout, trained) in enumerate(zip(layouts[:-1], gradients.layouts))
+                              if len(trained.places) < len(layout.places)}
+        self.finished: set[int] = set()  # such blocks whose backward is done (the one below began, or it ended)
         self.num_blocks = len(blocks)
         self.window, self.gradients, self.transfers = window, gradients, transfers
         self.activations = ActivationStore(self, offload_activations, gradients.host, pin)
@@ -114,7 +121,8 @@ class SlideEngine:
         for unit, parts in enumerate(self.gradients.parts):
             for part, members in enumerate(parts):
                 for index in members.places:
-                    self._handles.append(self.layouts[unit].places[index].param.register_post_accumulate_grad_hook(
+                    place = self.gradients.layouts[unit].places[index]
+                    self._handles.append(place.param.register_post_accumulate_grad_hook(
                         lambda _p, u=unit, k=part: self.on_gradient(u, k)))
         self._handles.append(self.network.register_forward_pre_hook(lambda _m, _a: self.before_network()))
         return checkpointed
@@ -157,9 +165,11 @@ class SlideEngine:
         self.phase = BACKWARD
         self.arrived = [[0] * len(parts) for parts in self.gradients.parts]
         self.sent = [0] * len(self.layouts)
+        self.finished = set()
         self.transfers.clock.begin()
 
     def before_backward(self, block: int) -> None:
+        self._backward_done(block + 1)  # its backward made this block's output gradient: its weights are free
         self.window.ensure(block)
         self.window.check_same_slot(block)
         for behind in range(block - 1, max(-1, block - len(self.window.slots)), -1):
@@ -172,7 +182,7 @@ class SlideEngine:
             self._part_done(unit, part)
 
     def _part_done(self, unit: int, part: int) -> None:
-        places = [self.layouts[unit].places[index] for index in self.gradients.parts[unit][part].places]
+        places = [self.gradients.layouts[unit].places[index] for index in self.gradients.parts[unit][part].places]
         grads = [place.param.grad for place in places]
         for place in places:
             place.param.grad = None
@@ -183,8 +193,17 @@ class SlideEngine:
             return
         if unit == self.root:
             self.window.root_used()
-        else:
+        elif unit not in self.partly_frozen or unit in self.finished:
             self.window.release(unit)
+
+    def _backward_done(self, block: int) -> None:
+        """Block ``block``'s backward is over: a block with frozen weights is released once its gradients are sent
+        too (others were released with their last gradient)."""
+        if block not in self.partly_frozen:
+            return
+        self.finished.add(block)
+        if self.sent[block] == len(self.gradients.parts[block]):
+            self.window.release(block)
 
     def end_backward(self) -> None:
         """After ``loss.backward()``: units with some gradients missing (unused parameters) are sent as they are."""
@@ -195,6 +214,8 @@ class SlideEngine:
                         self._part_done(unit, part)
         for block in list(self.window.resident):
             self.window.release(block)
+        if not self.gradients.parts[self.root]:  # a frozen root (LoRA): its last use is queued now
+            self.window.root_used()
         self.activations.clear()
         self.phase = IDLE
         self.transfers.clock.end()
@@ -212,7 +233,8 @@ class SlideEngine:
             for unit in self.gradients.kept_units():  # with clipping: every update, now that the norm is known
                 adam.submit(lambda u=unit: self.gradients.update(u))
             adam.wait()
-        self.window.root_stale = True
+        if self.gradients.parts[self.root]:  # a frozen root stays on the device: the step did not change it
+            self.window.root_stale = True
         totals = self.transfers.take_totals()
         backwards = self.transfers.clock.take()  # after adam.wait(): nothing left to wait for (``BackwardClock.take``)
         intervals, adam.update_intervals = adam.update_intervals, []

@@ -57,7 +57,9 @@ class GradientPart:
 def gradient_parts(layout: UnitLayout, per_parameter: bool) -> list[GradientPart]:
     """``layout``'s gradient parts: the whole unit, or (``per_parameter``, the root under ``gpu_reduce``) one part per
     parameter, so that the head's gradient goes to its update at the start of the backward instead of waiting for
-    the embeddings' at its end."""
+    the embeddings' at its end. A unit with nothing to train (LoRA's root) has none."""
+    if not layout.places:
+        return []
     groups = [range(i, i + 1) for i in range(len(layout.places))] if per_parameter else [range(len(layout.places))]
     parts = []
     for places in groups:
@@ -90,7 +92,7 @@ class GradientPipeline:
     ):
         """
         Args:
-            layouts: Every unit, blocks then the root (the last).
+            layouts: Every unit's trained parameters, blocks then the root (the last).
             adam: The CPU optimizer; None when not fitting (nothing is updated).
             shard_group: The node's ranks (reduce-scatter); replicate_group: the same shard on every node.
             host_group: A gloo group of all ranks used only from the worker thread (``cpu_reduce``).

@@ -2,18 +2,17 @@
 
 Per unit and rank:
 
-- **master**: this rank's rows of every parameter (shard layout, fp32). The ranks of a node own
+- **master**: this rank's rows of every trained parameter (shard layout, fp32). The ranks of a node own
   disjoint rows, so a node holds one master copy in all (like FSDP's sharded state), whatever the
-  number of ranks.
-- **staging**: what the device loads, in the compute dtype. With ``param_transfer: shard`` each rank
+  number of ranks. A frozen parameter (LoRA's base) has none: its staging rows are its only host copy.
+- **staging**: what the device loads, in the compute dtype, every parameter. With ``param_transfer: shard`` each rank
   keeps its own rows (shard layout) and the devices all-gather the rest. With ``full`` every rank
   copies whole blocks, so the node keeps one full copy (full layout) in shared memory that each rank
   writes its rows into after its update; one process alone keeps it in private memory.
-- **gradients**: a ring of pinned buffers, each the size of the largest block's shard, the reduced gradients
-  land in from the device (a larger part of the root in several pieces), each piece followed by the device's
-  verdict on whether its part is finite; with
-  gradient accumulation or clipping also one fp32 buffer per unit that holds the sum until the
-  optimizer step (clipping needs every gradient before the first update).
+- **gradients** (of the trained parameters): a ring of pinned buffers, each the size of the largest block's shard,
+  the reduced gradients land in from the device (a larger part of the root in several pieces), each piece followed
+  by the device's verdict on whether its part is finite; with gradient accumulation or clipping also one fp32 buffer
+  per unit that holds the sum until the optimizer step (clipping needs every gradient before the first update).
 - **activations** (``activation_offload: cpu``): one buffer per checkpointed block for its input, made at the
   first forward that needs it (the shape is known only then).
 
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
-from compress.layout import UnitLayout
+from compress.layout import ParamPlace, UnitLayout
 from offload.host_memory import FLAG_ELEMENTS, UnitSize, piece_capacity
 
 SHM_DIR = Path("/dev/shm")
@@ -212,37 +211,56 @@ class HostState:
         ring_size: int,
         pin: bool,
         shared: SharedStaging | None,
+        trained: list[UnitLayout] | None = None,
     ):
         """
         Args:
             layouts: Every unit, blocks then root.
+            trained: Each unit's trained parameters (``offload.layout.trained_layouts``); default: every parameter.
             full_staging: Staging in the full layout (``param_transfer: full``), else this rank's shard.
             keep_gradients: One fp32 gradient buffer per unit (accumulation, clipping).
             incoming_full: Gradients arrive whole (``grad_sync: cpu_reduce``), not as this rank's shard.
             shared: The node's shared memory for full staging, when several ranks share it.
         """
         self.layouts = layouts
+        self.trained = trained or layouts
+        self.trained_at: list[list[int]] = []  # per unit, where each trained parameter is among all its parameters
+        for layout, trained_layout in zip(layouts, self.trained):
+            index = {id(place.param): number for number, place in enumerate(layout.places)}
+            self.trained_at.append([index[id(place.param)] for place in trained_layout.places])
         self.full_staging = full_staging
         self.shared = shared
-        self.master = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in layouts]
+        self.master = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in self.trained]
         sizes = [layout.full_numel if full_staging else layout.shard_numel for layout in layouts]
         self.staging_region = shared.region if shared is not None else HostRegion.empty(sum(sizes), compute_dtype, pin)
         self.staging = list(self.staging_region.tensor[: sum(sizes)].split(sizes))
-        self.gradients = [torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=False) for layout in layouts] if keep_gradients else None
-        units = [UnitSize(layout.full_numel, layout.shard_numel) for layout in layouts]
+        self.gradients = [torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=False)
+                          for layout in self.trained] if keep_gradients else None
+        units = [UnitSize(layout.full_numel, layout.shard_numel) for layout in self.trained]
         self.piece_capacity = piece_capacity(units, incoming_full, layouts[0].shards)
         self.incoming = BufferRing(ring_size, self.piece_capacity + FLAG_ELEMENTS, reduce_dtype, pin)
         self.activations: dict[int, HostRegion] = {}  # checkpointed block -> its input's region (``activation_buffer``)
 
-    def staging_targets(self, unit: int) -> list[torch.Tensor]:
-        """Where this rank's rows of each of ``unit``'s parameters go in the staging copy (views, ``local_views`` order)."""
+    def staging_rows(self, unit: int) -> list[torch.Tensor]:
+        """This rank's rows of each of ``unit``'s parameters in the staging copy (views, ``local_views`` order)."""
         layout = self.layouts[unit]
         return layout.local_rows_in_full(self.staging[unit]) if self.full_staging else layout.local_views(self.staging[unit])
 
+    def staging_targets(self, unit: int) -> list[torch.Tensor]:
+        """Where this rank's rows of each of ``unit``'s trained parameters go in the staging copy (views, in the order
+        of ``trained[unit]``)."""
+        rows = self.staging_rows(unit)
+        return [rows[index] for index in self.trained_at[unit]]
+
+    def frozen_rows(self) -> list[tuple[ParamPlace, torch.Tensor]]:
+        """Every frozen parameter (no master: LoRA's base) with this rank's rows of it in the staging copy."""
+        return [(place, rows) for unit, layout in enumerate(self.layouts)
+                for place, rows in zip(layout.places, self.staging_rows(unit)) if not place.param.requires_grad]
+
     def write_staging(self, unit: int) -> None:
         """Copy this rank's master rows of ``unit`` into the staging copy, in the compute dtype (after init or a load;
-        the CPU update writes its rows as it goes)."""
-        for target, rows in zip(self.staging_targets(unit), self.layouts[unit].local_views(self.master[unit])):
+        the CPU update writes its rows as it goes). Frozen rows are written once, by init or loading, and kept."""
+        for target, rows in zip(self.staging_targets(unit), self.trained[unit].local_views(self.master[unit])):
             target.copy_(rows)
 
     def activation_buffer(self, block: int, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -1,5 +1,8 @@
 """SlideFSDP's host memory on one node, buffer by buffer: the one accounting behind the preflight, ``tune`` and ``OffloadStats``.
 
+Trained parameters have a float32 master, AdamW moments and gradients on the host, and a copy in the compute dtype
+(the staging copy the device loads); frozen ones (LoRA's base) have that copy only.
+
 Every buffer ``offload.host.HostState`` allocates, the offloaded activations' included, is counted at its exact
 size: each is one allocation, pinned by registering it in place, so torch's power-of-two rounding of pinned
 allocations does not apply. ``runtime`` is what a process needs besides its buffers (Python, torch, the CUDA
@@ -22,20 +25,32 @@ FLAG_ELEMENTS = 1
 
 @dataclass(frozen=True)
 class UnitSize:
-    """One unit (a block, or the root): its parameters' elements whole, one rank's padded shard of them, and the shard
-    elements of each part its gradients go to the host in (``offload.gradients.gradient_parts``; empty: one part)."""
+    """One unit (a block, or the root): its parameters' elements whole, one rank's padded shard of them, the shard
+    elements of each part its trained gradients go to the host in (``offload.gradients.gradient_parts``; empty: one
+    part), and of those elements the frozen ones (LoRA's base: in the staging copy only)."""
 
     full_numel: int
     shard_numel: int
     parts: tuple[int, ...] = ()
+    frozen_full_numel: int = 0
+    frozen_shard_numel: int = 0
 
     @classmethod
-    def of(cls, full_numel: int, shards: int) -> "UnitSize":
-        """An estimate from the element count alone (rows padded to whole shards are left out)."""
-        return cls(full_numel, math.ceil(full_numel / shards))
+    def of(cls, full_numel: int, shards: int, trained: int | None = None) -> "UnitSize":
+        """An estimate from the element counts alone (rows padded to whole shards are left out); ``trained`` of the
+        ``full_numel`` elements train (default: all)."""
+        frozen = 0 if trained is None else full_numel - trained
+        return cls(full_numel, math.ceil(full_numel / shards), (), frozen, math.ceil(frozen / shards))
+
+    def trained(self) -> "UnitSize":
+        """The unit's trained parameters alone: what has a master, moments and gradients."""
+        if not self.frozen_full_numel:
+            return self
+        return UnitSize(self.full_numel - self.frozen_full_numel, self.shard_numel - self.frozen_shard_numel, self.parts)
 
     def part_sizes(self) -> tuple[int, ...]:
-        return self.parts or (self.shard_numel,)
+        trained = self.trained()
+        return trained.parts or ((trained.shard_numel,) if trained.shard_numel else ())
 
 
 @dataclass(frozen=True)
@@ -73,12 +88,14 @@ PIECE_ALIGNMENT = 64
 
 
 def piece_capacity(units: Sequence[UnitSize], incoming_full: bool, ranks: int) -> int:
-    """Gradient elements one ring buffer holds (its flag aside): the largest block's shard (rounded up to
+    """Gradient elements one ring buffer holds (its flag aside): the largest block's trained shard (rounded up to
     ``PIECE_ALIGNMENT``), so that the root's larger parts (a 128k-vocabulary embedding) go to the host in pieces
-    instead of sizing every buffer; with whole gradients (``cpu_reduce``), the largest unit's whole gradient."""
+    instead of sizing every buffer (the root's, if no block trains); with whole gradients (``cpu_reduce``), the largest
+    unit's whole gradient."""
+    shards = [unit.trained().shard_numel for unit in units]
     if incoming_full:
-        return max(unit.shard_numel for unit in units) * ranks
-    largest = max(unit.shard_numel for unit in (units[:-1] or units))
+        return max(shards) * ranks
+    largest = max(shards[:-1] or shards) or max(shards)
     return math.ceil(largest / PIECE_ALIGNMENT) * PIECE_ALIGNMENT
 
 
@@ -88,16 +105,20 @@ def pieces(part_numel: int, capacity: int) -> int:
 
 
 def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
-    """Bytes per node of each host buffer for ``units`` (blocks, then the root)."""
+    """Bytes per node of each host buffer for ``units`` (blocks, then the root): the staging copy holds every
+    parameter, the master, moments and gradients the trained ones."""
     ranks = setup.processes
     full = sum(unit.full_numel for unit in units)
     shard = sum(unit.shard_numel for unit in units)
+    trained_full = sum(unit.trained().full_numel for unit in units)
+    trained_shard = sum(unit.trained().shard_numel for unit in units)
     incoming = piece_capacity(units, setup.incoming_full, ranks) + FLAG_ELEMENTS
     parts = {
-        "master": ranks * shard * 4,
-        "adam_moments": full * 2 * setup.optimizer_state_dtype.itemsize,  # exp_avg and exp_avg_sq of each rank's rows
+        "master": ranks * trained_shard * 4,
+        # exp_avg and exp_avg_sq of each rank's rows
+        "adam_moments": trained_full * 2 * setup.optimizer_state_dtype.itemsize,
         "staging": (full if setup.full_staging else ranks * shard) * setup.compute_dtype.itemsize,
-        "kept_gradients": ranks * shard * 4 if setup.keep_gradients else 0,
+        "kept_gradients": ranks * trained_shard * 4 if setup.keep_gradients else 0,
         "gradient_ring": ranks * setup.ring_size * incoming * setup.reduce_dtype.itemsize,
         "activations": ranks * setup.offloaded_activation_bytes,
     }

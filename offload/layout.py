@@ -3,6 +3,10 @@
 How a unit's parameters sit in a flat buffer (whole, or sharded by rows as FSDP2 does) is
 ``compress.layout``: compress's PowerSGD reads FSDP2's reduce-scatter buffer through it, and SlideFSDP
 (``offload``) keeps its master weights, gradients and staging copies in it.
+
+Each unit has two layouts: every parameter (the staging copy and the device slots) and its trained parameters
+(``requires_grad``: the master weights, AdamW moments and gradients). They are the same but under LoRA, whose frozen
+base has a staging copy only.
 """
 
 from __future__ import annotations
@@ -35,3 +39,11 @@ def build_layouts(
         layouts.append(UnitLayout.build(name, params, shards, shard_rank))
     root = UnitLayout.build("root", unit_params(network, "", skip=in_blocks), shards, shard_rank)
     return layouts, root
+
+
+def trained_layouts(layouts: list[UnitLayout], shards: int, shard_rank: int) -> list[UnitLayout]:
+    """Each unit's trained parameters (``requires_grad``) laid out alone; a unit whose every parameter trains keeps its
+    layout. Rows shard per parameter, so a unit's shard is its trained and frozen parameters' shards together."""
+    return [layout if all(place.param.requires_grad for place in layout.places) else UnitLayout.build(
+        layout.name, [(place.names, place.param) for place in layout.places if place.param.requires_grad], shards,
+        shard_rank) for layout in layouts]

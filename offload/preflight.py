@@ -17,7 +17,7 @@ from offload.cpu_binding import SYSFS, CpuBinding, bind_process, pci_address, ph
 from offload.gradients import gradient_parts
 from offload.host import check_shared_memory
 from offload.host_memory import HostSetup, UnitSize, describe, host_buffers, offloaded_activation_bytes, with_runtime
-from offload.layout import build_layouts
+from offload.layout import build_layouts, trained_layouts
 
 _GIB = 2**30
 
@@ -137,15 +137,28 @@ class HostPreflight:
                                   self.grad_sync, self.window, self.keeps_gradients(trainer), activation_bytes)
 
     def unit_sizes(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
-        """Every unit's size (blocks, then the root) with ``shards`` ranks per node, from the model on the meta device."""
+        """Every unit's size (blocks, then the root) with ``shards`` ranks per node, from the model on the meta device
+        (with ``--model.lora``'s adapters, its base frozen, as the run builds it)."""
         from transformers import AutoModelForCausalLM
+
+        from lit_fsdp import lora
 
         with torch.device("meta"):
             network = AutoModelForCausalLM.from_config(module.hf_config(datamodule))
+        adapters = lora.as_config((getattr(module, "hparams", None) or {}).get("lora"))
+        if adapters is not None:
+            lora.attach(network, adapters)
         block_layouts, root_layout = build_layouts(network, find_blocks(network, self.block_class), shards, 0)
-        root_parts = gradient_parts(root_layout, per_parameter=self.grad_sync == "gpu_reduce")
-        return [*(UnitSize(layout.full_numel, layout.shard_numel) for layout in block_layouts),
-                UnitSize(root_layout.full_numel, root_layout.shard_numel, tuple(p.layout.shard_numel for p in root_parts))]
+        layouts = [*block_layouts, root_layout]
+        trained = trained_layouts(layouts, shards, 0)
+        root_parts = gradient_parts(trained[-1], per_parameter=self.grad_sync == "gpu_reduce")
+        sizes = []
+        for layout, trained_layout in zip(layouts, trained):
+            parts = tuple(p.layout.shard_numel for p in root_parts) if layout is root_layout else ()
+            sizes.append(UnitSize(layout.full_numel, layout.shard_numel, parts,
+                                  layout.full_numel - trained_layout.full_numel,
+                                  layout.shard_numel - trained_layout.shard_numel))
+        return sizes
 
     def host_buffer_estimate(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None,
                              compute: torch.dtype | None = None, units: list[UnitSize] | None = None) -> dict[str, int]:

@@ -178,17 +178,17 @@ def replace_meta_parameters(network: nn.Module, layouts: list[UnitLayout], devic
     """Swap the network's meta parameters for empty ones on ``device`` (ties kept), in the network and in ``layouts``.
 
     The new parameters keep their number of dimensions (the optimizer's weight-decay groups go by it) and
-    hold no values until a unit is bound.
+    hold no values until a unit is bound. A parameter may be in several layouts (a unit's and its trained one's).
     """
+    places = list({id(place): place for layout in layouts for place in layout.places}.values())
     new: dict[int, nn.Parameter] = {}
-    for layout in layouts:
-        for place in layout.places:
+    for place in places:
+        if id(place.param) not in new:
             empty = torch.empty((0,) * len(place.shape), dtype=dtype, device=device)
             new[id(place.param)] = nn.Parameter(empty, requires_grad=place.param.requires_grad)
     for module in network.modules():
         for name, param in module._parameters.items():
             if param is not None:
                 module._parameters[name] = new[id(param)]
-    for layout in layouts:
-        for place in layout.places:
-            place.param = new[id(place.param)]
+    for place in places:
+        place.param = new[id(place.param)]

@@ -5,11 +5,15 @@ so they, and the AdamW moments beside them, can be presented as DTensors on a CP
 a copy. ``torch.distributed.checkpoint`` then saves and loads them in place, under the same keys and
 shapes as an FSDP2 checkpoint (``model.<name>``, ``optimizer_0.state.model.<name>.exp_avg``, ...):
 ``lit_fsdp export`` reads either, and one strategy's checkpoint resumes under the other.
+
+Only trained parameters are saved: a frozen one (LoRA's base) has no master, and as under FSDP2 a LoRA checkpoint
+holds the adapters and their optimizer state alone. For init and loading a frozen parameter is its staging rows, in
+the compute dtype: what init or the pretrained folder writes there is its only host copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,12 +39,20 @@ def as_dtensor(local: torch.Tensor, place: ParamPlace, mesh: DeviceMesh) -> DTen
 class HostStateDict:
     """State dicts of the network and the CPU optimizer over SlideFSDP's host buffers (see the module docstring)."""
 
-    def __init__(self, network: nn.Module, layouts: list[UnitLayout], master: list[torch.Tensor], mesh: DeviceMesh):
+    def __init__(self, network: nn.Module, layouts: list[UnitLayout], master: list[torch.Tensor], mesh: DeviceMesh,
+                 frozen: Iterable[tuple[ParamPlace, torch.Tensor]] = ()):
+        """
+        Args:
+            layouts: Each unit's trained parameters, whose ``master`` rows are saved and loaded.
+            frozen: Each frozen parameter and its staging rows (``HostState.frozen_rows``): written by init, not saved.
+        """
         self.network, self.layouts, self.mesh = network, layouts, mesh
-        self.weights: dict[int, DTensor] = {}  # id(parameter) -> its master rows as a DTensor
+        self.weights: dict[int, DTensor] = {}  # id(parameter) -> its master rows (frozen: staging rows) as a DTensor
         for layout, shard in zip(layouts, master):
             for place, rows in zip(layout.places, layout.local_views(shard)):
                 self.weights[id(place.param)] = as_dtensor(rows, place, mesh)
+        for place, rows in frozen:
+            self.weights[id(place.param)] = as_dtensor(rows, place, mesh)
 
     @contextmanager
     def parameters_as_dtensors(self) -> Iterator[None]:
@@ -62,7 +74,8 @@ class HostStateDict:
                 module._parameters[name] = param
 
     def model_state(self) -> dict[str, Any]:
-        """``model.<name>``: master rows (every tied name too), and the network's persistent buffers."""
+        """``model.<name>``: master rows of the trained parameters (every tied name too), and the network's persistent
+        buffers."""
         state: dict[str, Any] = {}
         for layout in self.layouts:
             for place in layout.places:

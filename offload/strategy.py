@@ -36,7 +36,7 @@ from offload.engine import FORWARD, OffloadStep, SlideEngine
 from offload.gradients import GradientPipeline
 from offload.host import HostState, SharedStaging, can_pin, node_tag
 from offload.host_memory import ring_size
-from offload.layout import build_layouts
+from offload.layout import build_layouts, trained_layouts
 from offload.preflight import HostPreflight
 from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
@@ -158,7 +158,17 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
         super().preflight(trainer, module, datamodule)
         self.check_knobs(trainer)
+        self.check_lora(module)
         self.check_host_memory(trainer, module, datamodule)
+
+    def check_lora(self, module: pl.LightningModule) -> None:
+        """LoRA's frozen base is kept in the compute dtype alone: bfloat16 (or float32) rounds it as FSDP2's cast does,
+        so the base's fingerprint (``lit_fsdp.lora.base_record``) matches; float16 would not."""
+        lora = (getattr(module, "hparams", None) or {}).get("lora")
+        if lora is not None and self.resolve_dtype(self.param_dtype) == torch.float16:
+            raise ValueError("SlideFSDP keeps LoRA's frozen base in the compute dtype only, and float16 would round it "
+                             "otherwise than the bfloat16 its fingerprint is taken in; set "
+                             "--trainer.strategy.init_args.param_dtype bfloat16 (or float32)")
 
     # --- processes -------------------------------------------------------------------------------
 
@@ -198,7 +208,8 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         shards, shard_rank = shard_mesh.size(), shard_mesh.get_local_rank()
         block_layouts, root_layout = build_layouts(network, blocks, shards, shard_rank)
         layouts = [*block_layouts, root_layout]
-        replace_meta_parameters(network, layouts, device, compute)
+        trained = trained_layouts(layouts, shards, shard_rank)  # LoRA: the adapters; else every parameter
+        replace_meta_parameters(network, [*layouts, *trained], device, compute)
         pin = can_pin(device, self.pin_memory)
         full = self.param_transfer == "full"
         shared = None
@@ -208,8 +219,9 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         self.host = HostState(
             layouts, compute, reduce, full_staging=full, keep_gradients=self.keeps_gradients(trainer),
             incoming_full=self.grad_sync == "cpu_reduce", ring_size=ring_size(self.window), pin=pin, shared=shared,
+            trained=trained,
         )
-        self.host_state_dict = HostStateDict(network, layouts, self.host.master, self.cpu_mesh)
+        self.host_state_dict = HostStateDict(network, trained, self.host.master, self.cpu_mesh, self.host.frozen_rows())
         with self.host_state_dict.parameters_as_dtensors():
             module.initialize_weights(blocks)
         self.refresh_staging()
@@ -221,7 +233,7 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         )
         window.unbind_all()
         gradients = GradientPipeline(
-            layouts, self.host, None, transfers, gpu_reduce=self.grad_sync == "gpu_reduce", reduce_dtype=reduce,
+            trained, self.host, None, transfers, gpu_reduce=self.grad_sync == "gpu_reduce", reduce_dtype=reduce,
             world_size=self.world_size, shard_rank=shard_rank, shard_group=device_shards,
             replicate_group=self.device_mesh["replicate"].get_group() if self.num_nodes > 1 else None,
             host_group=self.host_group,
@@ -237,9 +249,12 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
 
     def _describe(self, layouts: list, compute: torch.dtype, shards: int, pin: bool) -> None:
         parameters = self.parameter_count()
+        trained = sum(place.numel for layout in self.host.trained for place in layout.places)
+        frozen = "" if trained == parameters else (f" ({trained / 1e6:.2f}M trained; the frozen rest has no master, "
+                                                   f"only its {compute} copy)")
         largest = max(layout.full_numel for layout in layouts[:-1]) * compute.itemsize
         rank_zero_info(
-            f"SlideFSDP: {parameters / 1e6:.1f}M parameters in {len(layouts) - 1} blocks + root; master sharded over "
+            f"SlideFSDP: {parameters / 1e6:.1f}M parameters{frozen} in {len(layouts) - 1} blocks + root; master sharded over "
             f"{shards} rank(s) per node; device window {self.window} x {largest / 2**20:.1f} MiB in {compute}; "
             f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}, pinned host buffers: {pin}"
         )
@@ -292,7 +307,7 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         assert self.host is not None and self.engine is not None
         if self.adam is not None:
             self.adam.close()
-        self.adam = CpuAdam(self.host.layouts, self.host.master, self.optimizers[0], self.root_device,
+        self.adam = CpuAdam(self.host.trained, self.host.master, self.optimizers[0], self.root_device,
                             getattr(torch, self.optimizer_state_dtype))
         self.engine.gradients.adam = self.adam
 
@@ -379,7 +394,7 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         import torch.distributed.checkpoint as dcp
 
         path = Path(self.broadcast(checkpoint_path))
-        self.verify_checkpoint(path)
+        self._holds_adapters(path)  # verified; with LoRA, adapters for this run's base (the state below holds no other)
         if not _is_sharded_checkpoint(path):
             raise ValueError(f"{path} is not a sharded checkpoint folder (with {_METADATA_FILENAME}); SlideFSDP resumes from those")
         assert self.host_state_dict is not None

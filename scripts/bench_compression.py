@@ -31,6 +31,7 @@ TORCH_POWERSGD = "torch_powersgd"
 #: SlideFSDP's host AdamW with float32 and with bfloat16 moments, no compression: the cost of optimizer_state_dtype
 OFFLOAD = {"offload": "float32", "offload_bf16_moments": "bfloat16"}
 CHOICES = [*METHODS, TORCH_POWERSGD, *OFFLOAD]
+SEMI_SYNCHRONOUS = ("diloco", "diloco_streaming")  # --set keys are the strategy's: sync_every=8, outer.codec.method=none
 MULTI_SEED = ("baseline", "int8", "topk", "dgc", "powersgd", TORCH_POWERSGD)
 
 
@@ -95,9 +96,11 @@ def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dic
     name = row_name(method, args.set)
     out = root / f"{name.replace(' ', '-')}-seed{seed}"
     overrides = []
+    # compression parameters; for the semi-synchronous configs, the strategy's (sync_every=8, outer.codec.method=none)
+    prefix = "--trainer.strategy.init_args." + ("" if method in SEMI_SYNCHRONOUS else "compression.")
     for setting in args.set:
         key, _, value = setting.partition("=")
-        overrides += [f"--trainer.strategy.init_args.compression.{key}", value]
+        overrides += [f"{prefix}{key}", value]
     # torch's PowerSGD and SlideFSDP: the baseline's callbacks, its strategy replaced
     uncompressed = method == TORCH_POWERSGD or method in OFFLOAD
     names = ["quickstart.yaml", "wikipedia.yaml", "baseline.yaml" if uncompressed else f"{method}.yaml"]

@@ -62,9 +62,11 @@ from lit_fsdp.repeats import Spread, in_turns
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
-# Method name -> its config; `none` is the baseline (no hook: FSDP2's own fp32 all-reduce).
+# Method name -> its config; `none` is the baseline (no hook: FSDP2's own fp32 all-reduce). The semi-synchronous
+# configs (diloco, diloco_streaming) exchange every sync_every steps (``--sync-every``).
 METHODS = {"none": CONFIGS / "baseline.yaml"} | {
-    p.stem: p for p in sorted(CONFIGS.glob("*.yaml")) if "compression:" in p.read_text() and p.stem != "baseline"
+    p.stem: p for p in sorted(CONFIGS.glob("*.yaml"))
+    if ("compression:" in p.read_text() or "sync_every:" in p.read_text()) and p.stem != "baseline"
 }
 # The methods' dense warm-ups cut to what they cannot go below, so that the steps timed are compressed ones: PowerSGD's
 # start_step and DGC's density warm-up to 0; 1-bit Adam's freeze and 0/1 Adam's variance freeze after the first step,
@@ -294,6 +296,8 @@ def fit_arguments(args: argparse.Namespace, method: str, callbacks: Path, run_di
         "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch_size),
         "--data.num_train_blocks", str(args.batch_size * 2 * (args.steps + 1)),
         *steady_state(method),
+        *(["--trainer.strategy.init_args.sync_every", str(args.sync_every)]
+          if args.sync_every and "sync_every:" in METHODS[method].read_text() else []),
     ]
 
 
@@ -398,33 +402,37 @@ def _cell(spread: Spread | None, spec: str = ".0f", suffix: str = "") -> str:
     return "n/a" if spread is None else spread.format(spec, suffix)
 
 
-def table(records: list[dict], rate: str) -> str:
-    """Markdown for one rate: a row per method over its repeats, speed-up against ``none`` from the medians."""
+def table(records: list[dict], rate: str, statistic: str = "p50") -> str:
+    """Markdown for one rate: a row per method over its repeats, speed-up against ``none`` from the medians of each
+    run's ``statistic`` step time (``mean`` counts a semi-synchronous method's rare exchange steps)."""
+    key = f"step_time_ms_{statistic}"
     runs: dict[str, list[dict]] = {}
     for r in records:
         if r["rate"] == rate:
             runs.setdefault(r["method"], []).append(r)
-    base = {r["repeat"]: r["step_time_ms_p50"] for r in runs.get("none", []) if r.get("step_time_ms_p50")}
+    base = {r["repeat"]: r[key] for r in runs.get("none", []) if r.get(key)}
     base_step = Spread.of(base.values())
     lines = [
-        "| method | runs | step ms p50 | speed-up vs none | comm ms/step | comm share | compression ratio |",
-        "|---|---|---|---|---|---|---|",
+        f"| method | runs | step ms {statistic} | speed-up vs none | comm ms/step | comm share | compression ratio "
+        "| outer exchange hidden |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for method, rows in runs.items():
         done = [r for r in rows if "failed" not in r]
         failed = [r["failed"][:120].replace("|", "/") for r in rows if "failed" in r]
         count = f"{len(done)} of {len(rows)}" + (f"; failed: {failed[-1]}" if failed else "")
-        step = Spread.of(r.get("step_time_ms_p50") for r in done)
+        step = Spread.of(r.get(key) for r in done)
         speedup = None
-        paired = [base[r["repeat"]] / r["step_time_ms_p50"] for r in done if r.get("step_time_ms_p50") and r["repeat"] in base]
+        paired = [base[r["repeat"]] / r[key] for r in done if r.get(key) and r["repeat"] in base]
         if base_step and step and paired:  # the ratio of the medians, with the range of the per-repeat ratios
             speedup = Spread(base_step.median / step.median, min(paired), max(paired), len(paired))
         share = Spread.of(None if r.get("comm_ratio") is None else 100 * r["comm_ratio"] for r in done)
         ratio = Spread.of(r.get("compression_ratio") for r in done)
+        hidden = Spread.of(None if not r.get("outer_syncs") else 100 * (r.get("outer_hidden_share") or 0) for r in done)
         lines.append(
             f"| {method} | {count} | {_cell(step)} | {_cell(speedup, '.2f', 'x')} "
             f"| {_cell(Spread.of(r.get('comm_time_ms_total') for r in done))} | {_cell(share, '.0f', '%')} "
-            f"| {'n/a' if ratio is None else f'{ratio.median:.1f}x'} |"
+            f"| {'n/a' if ratio is None else f'{ratio.median:.1f}x'} | {_cell(hidden, '.0f', '%')} |"
         )
     return "\n".join(lines)
 
@@ -468,6 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup", type=int, default=5, help="first steps left out of the step times and the profile"
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs of every (rate, method) row, in turns")
+    parser.add_argument("--sync-every", type=int, help="the semi-synchronous methods' sync_every (default: their config's)")
+    parser.add_argument("--statistic", choices=["p50", "mean"], default="p50",
+                        help="each run's step time: p50, or mean (which counts a semi-synchronous method's exchange "
+                             "steps; time a whole number of its periods after --warmup)")
     parser.add_argument("--layers", type=int, default=4, help="GPT-2 n_layer")
     parser.add_argument("--width", type=int, default=640, help="GPT-2 n_embd")
     parser.add_argument("--heads", type=int, default=8, help="GPT-2 n_head")
@@ -535,21 +547,22 @@ def main() -> None:
                 with open(args.out / "results.jsonl", "a") as f:
                     f.write(json.dumps(record, default=str) + "\n")
                 # Rewritten after every run, so an interrupted sweep keeps the table of the runs done so far.
-                markdown = report(setup, headings, records)
+                markdown = report(setup, headings, records, args.statistic)
                 (args.out / "table.md").write_text(markdown + "\n")
     except LinkError as error:
         sys.exit(f"bench_slow_link: {error}")
     print(markdown)
 
 
-def report(setup: str, headings: dict[str, str], records: list[dict]) -> str:
+def report(setup: str, headings: dict[str, str], records: list[dict], statistic: str = "p50") -> str:
     """The setup, the legend and a table per rate that has runs."""
     legend = (
-        "Step ms p50: each run's p50 over its timed steps; the median over the repeats (min-max in brackets). "
+        f"Step ms {statistic}: each run's {statistic} over its timed steps; the median over the repeats (min-max in brackets). "
         "Speed-up vs none: median of none / median of the method (min-max of the per-repeat ratios in brackets). "
-        "Comm ms/step and comm share: CommProfiler over the same timed steps (whose times include its recording)."
+        "Comm ms/step and comm share: CommProfiler over the same timed steps (whose times include its recording). "
+        "Outer exchange hidden: the share of a semi-synchronous method's exchange time its inner steps hid."
     )
-    sections = [f"{heading}\n\n{table(records, rate)}" for rate, heading in headings.items()
+    sections = [f"{heading}\n\n{table(records, rate, statistic)}" for rate, heading in headings.items()
                 if any(r["rate"] == rate for r in records)]
     return "\n\n".join([setup, legend, *sections])
 

@@ -4,7 +4,8 @@ Each variant starts from the same pretrained folder and trains on the same first
 reverse-words sample (packed rows of 128 tokens), AdamW without weight decay, gradients clipped at 1.0; the training
 loss is printed every 20 steps. Variants: ``lora`` (lit_fsdp.lora, r 16, alpha 32, its default targets), ``peft``
 (peft.get_peft_model with the same settings and targets), ``full`` (every weight), ``lora+norms`` and
-``lora+norms+embeddings`` (those base modules trained beside the adapters).
+``lora+norms+embeddings`` (those base modules trained beside the adapters: ``LoraConfig.train``, as
+``--model.lora '{train: [norms, embeddings]}'``).
 
     python scripts/compare_lora.py --base runs/sft_base
 """
@@ -26,13 +27,14 @@ from lit_fsdp.data.sft import SFTDataModule  # noqa: E402
 from lit_fsdp.loss import IGNORE_INDEX  # noqa: E402
 
 SAMPLES = Path(__file__).resolve().parents[1] / "lit_fsdp" / "data" / "samples" / "reverse_words"
-#: variant -> (learning rate, base parameter names trained beside the adapters; None: no adapters, every weight)
+#: variant -> (learning rate, LoraConfig.train: the base modules trained beside the adapters; None: no adapters, every
+#: weight)
 VARIANTS = {
-    "lora": (2e-3, ()),
-    "peft": (2e-3, ()),
+    "lora": (2e-3, []),
+    "peft": (2e-3, []),
     "full": (3e-4, None),
-    "lora+norms": (2e-3, ("ln_",)),
-    "lora+norms+embeddings": (2e-3, ("ln_", "wte", "wpe")),
+    "lora+norms": (2e-3, ["norms"]),
+    "lora+norms+embeddings": (2e-3, ["norms", "embeddings"]),
 }
 
 
@@ -47,11 +49,8 @@ def model_for(variant: str, base: Path) -> torch.nn.Module:
                                                           fan_in_fan_out=model.config.model_type == "gpt2"))
     trained = VARIANTS[variant][1]
     if trained is not None:
-        lora.attach(model, lora.LoraConfig(rank=16, alpha=32))
+        lora.attach(model, lora.LoraConfig(rank=16, alpha=32, train=trained or None))
         lora.init_adapters(model, 0)
-        for name, param in model.named_parameters():
-            if any(part in name for part in trained):
-                param.requires_grad_(True)
     return model
 
 

@@ -193,17 +193,17 @@ def test_the_table_gives_medians_ranges_and_speedup_from_the_medians():
         {"rate": "10gbit", "method": "none", "repeat": 0, "step_time_ms_p50": 500.0},
     ]
     header, _, *rows = bench.table(records, "1gbit").splitlines()
-    assert header.count("|") == 8
-    assert rows[0] == "| none | 3 of 3 | 1000 (900-1200) | 1.00x | 650 (600-700) | 66% (60%-70%) | 1.0x |"
+    assert header.count("|") == 9
+    assert rows[0] == "| none | 3 of 3 | 1000 (900-1200) | 1.00x | 650 (600-700) | 66% (60%-70%) | 1.0x | n/a |"
     # 1000 / 450 from the medians; per repeat 1000/400, 900/500, 1200/450
-    assert rows[1] == "| int8 | 3 of 3 | 450 (400-500) | 2.22x (1.80x-2.67x) | 225 (200-250) | 45% (40%-50%) | 4.0x |"
-    assert rows[2] == "| topk | 0 of 2; failed: rank0 exited 1: later | n/a | n/a | n/a | n/a | n/a |"
+    assert rows[1] == "| int8 | 3 of 3 | 450 (400-500) | 2.22x (1.80x-2.67x) | 225 (200-250) | 45% (40%-50%) | 4.0x | n/a |"
+    assert rows[2] == "| topk | 0 of 2; failed: rank0 exited 1: later | n/a | n/a | n/a | n/a | n/a | n/a |"
     assert len(rows) == 3  # the other rate's run is not in this table
 
 
 def test_a_single_repeat_prints_plain_figures_and_a_method_without_none_has_no_speedup():
     records = [run("int8", 0, 400.0, comm_time_ms_total=300.0, comm_ratio=0.5, compression_ratio=4.0)]
-    assert bench.table(records, "1gbit").splitlines()[2] == "| int8 | 1 of 1 | 400 | n/a | 300 | 50% | 4.0x |"
+    assert bench.table(records, "1gbit").splitlines()[2] == "| int8 | 1 of 1 | 400 | n/a | 300 | 50% | 4.0x | n/a |"
 
 
 @needs_netns
@@ -238,3 +238,12 @@ def test_the_link_runs_at_its_rate():
     with bench.SlowLink("200mbit", tag=f"{os.getpid()}r") as link:
         measured = bench.measure_rate(link, seconds=0.5)
     assert 0.15 < measured["measured_gbit_s"] < 0.21
+
+
+def test_a_semi_synchronous_row_is_timed_by_its_mean_step_and_shows_the_hidden_share_of_its_exchange():
+    records = [run("none", 0, 900.0, step_time_ms_mean=1000.0, compression_ratio=1.0),
+               run("diloco_streaming", 0, 100.0, step_time_ms_mean=125.0, compression_ratio=250.0, outer_syncs=6,
+                   outer_hidden_share=0.9)]
+    rows = bench.table(records, "1gbit", "mean").splitlines()
+    assert rows[0].startswith("| method | runs | step ms mean |")
+    assert rows[3] == "| diloco_streaming | 1 of 1 | 125 | 8.00x | n/a | n/a | 250.0x | 90% |"

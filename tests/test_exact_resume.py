@@ -37,6 +37,7 @@ def configured(config: str, **scaled) -> list[str]:
     return [KNOB, json.dumps({**compression, **scaled})]
 
 
+DILOCO = ["--trainer.strategy.init_args.sharding", "NO_SHARD", "--trainer.strategy.init_args.sync_every", "4"]
 # name: (compression arguments, steps of the whole run, steps after which a resumed run starts)
 CASES = {
     "none": ([], 6, (3,)),
@@ -54,6 +55,13 @@ CASES = {
     "zero_one_adam": (configured("zero_one_adam", var_freeze_step=8, local_step_scaler=1, local_step_clipper=4), 15,
                       (6, 12)),
     "param_all_gather": ([KNOB, "{param_all_gather: int8}"], 6, (3,)),
+    # semi-synchronous (issue 30): every 4 steps; stopped at 6, between synchronisations, where each replica's
+    # weights and AdamW state are its own. Top-k with error feedback keeps residuals. Streaming: fragment 1 was sent
+    # at step 6 and is applied at 7, so the checkpoint holds its average in flight.
+    "diloco": (DILOCO + ["--trainer.strategy.init_args.outer", "{codec: {method: topk, ratio: 0.1, error_feedback: true}}"],
+               10, (6,)),
+    "diloco_streaming": (DILOCO + ["--trainer.strategy.init_args.outer",
+                                   "{fragments: 2, delay: 1, mix: 0.5, codec: {method: int8, num_bits: 4}}"], 10, (6,)),
 }
 
 

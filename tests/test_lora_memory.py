@@ -13,15 +13,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM
 
 from lit_fsdp import checkpoints
 from lit_fsdp.checkpoints import checkpoint_size
 from lit_fsdp.commands.cli import run
 from lit_fsdp.commands.estimate import estimate_step, parse
 from lit_fsdp.commands.tune.hardware import load
-from lit_fsdp.commands.tune.memory import GIB, MemoryFilter, ModelShape, estimate
+from lit_fsdp.commands.tune.memory import GIB, ModelShape, estimate
 from lit_fsdp.commands.tune.space import Candidate, RunShape
-from lit_fsdp.lora import adapter_parameters
+from lit_fsdp.flops import flops_per_token
+from lit_fsdp.lora import LoraConfig, adapter_parameters, attach, trained_matrices, trained_parameters
 from lit_fsdp.model import CausalLM
 from lit_fsdp.presets import build_config
 from lit_fsdp.strategy import FSDP2Strategy, check_device_memory
@@ -109,19 +113,6 @@ def test_tuner_estimate_keeps_gradient_buffers_and_dropout_inputs_of_the_adapter
     assert with_lora.activations - without.activations == 2 * m * s * (28 * p + 560 * (p + 1))
 
 
-def test_tuner_filter_and_estimate_refuse_lora_on_slide_fsdp():
-    shape = ModelShape.of(build_config("llama-tiny"), lora=LORA)
-    run_shape = RunShape(world_size=1, nodes=1, accelerator="cuda", seq_len=128, batch_per_process=1, clipping=False)
-    memory = MemoryFilter(shape, run_shape, replace(EIGHT_H100, devices_per_node=1), margin=0.1)
-    assert "LoRA" in memory.rejection(Candidate(strategy="slide_fsdp"))
-    assert memory.rejection(Candidate()) is None
-    fit = ["--config", str(QUICKSTART), "--config", str(REPO / "configs" / "llama_8b_offload.yaml"),
-           "--model.lora", "{rank: 16}"]
-    hardware = replace(EIGHT_H100, devices_per_node=1)
-    with pytest.raises(ValueError, match="--model.lora needs lit_fsdp.strategy.FSDP2Strategy.*SlideFSDPStrategy"):
-        estimate_step(*parse(fit, hardware), hardware)
-
-
 def preflight_on_one_80gb_gpu(monkeypatch, lora: dict | None) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
@@ -137,7 +128,7 @@ def test_preflight_admits_an_8b_lora_on_one_80gb_gpu_that_it_refuses_for_full_tr
     preflight_on_one_80gb_gpu(monkeypatch, LORA)  # 4 x 8.07e9 + 12 x 41.9e6 bytes: 30.5 GiB
 
 
-def test_preflight_refusing_a_lora_names_frozen_and_trained_bytes_and_no_slide_fsdp():
+def test_preflight_refusing_a_lora_names_frozen_and_trained_bytes_and_the_offloads():
     parameters = LLAMA_8B + LLAMA_8B_ADAPTERS
     check_device_memory(parameters, 4096, (1,), False, None, 31 * GIB, trained=LLAMA_8B_ADAPTERS)
     with pytest.raises(ValueError) as refused:
@@ -145,7 +136,7 @@ def test_preflight_refusing_a_lora_names_frozen_and_trained_bytes_and_no_slide_f
     line = str(refused.value)
     assert "model states need 30.5 GiB per GPU for 8.1B parameters, 41.9M of them trained (LoRA) (4 bytes per frozen " \
            "parameter, 16 per trained one, over 1 shard(s))" in line
-    assert "cpu_offload true" in line and "SlideFSDP" not in line
+    assert "cpu_offload true" in line and "offload.SlideFSDPStrategy" in line
 
 
 def test_checkpoint_of_a_lora_run_is_its_adapters_and_their_moments():
@@ -167,3 +158,46 @@ def test_space_check_admits_lora_checkpoints_where_whole_ones_do_not_fit(tmp_pat
     checkpoints.check_space(trainer, config, lora)
     with pytest.raises(checkpoints.CheckpointError, match="float32 weights, AdamW"):
         checkpoints.check_space(trainer, config)
+
+
+# --- modules trained whole beside the adapters (--model.lora.train) ---------------------------------
+
+TRAIN = {"rank": 8, "train": ["embeddings", "norms"]}
+
+
+def test_modules_trained_beside_the_adapters_count_as_trained_in_all_in_the_blocks_and_in_the_root():
+    config = build_config("gpt2-tiny")  # 2 blocks, hidden 64, 512 tokens and positions, head tied to wte
+    adapters, norm = adapter_parameters(config, TRAIN), 2 * 64  # a LayerNorm: weight and bias
+    embeddings = 2 * 512 * 64  # wte (and the head, the same parameter) and wpe
+    shape, plain = ModelShape.of(config, lora=TRAIN), ModelShape.of(config)
+    assert trained_parameters(config, TRAIN) == trainable("gpt2-tiny", TRAIN) == shape.adapters \
+        == adapters + embeddings + 5 * norm
+    assert shape.block_adapters == adapters // 2 + 2 * norm and shape.root_adapters == embeddings + norm
+    assert shape.parameters == plain.parameters + adapters  # nothing counted twice
+
+
+def test_estimate_counts_the_modules_trained_beside_the_adapters():
+    lora = figures("--model.lora", "{rank: 16, alpha: 32, train: [embeddings, norms]}")
+    config = build_config("llama-1b")  # tied head: the embeddings train once, and are saved under both names
+    trained = trained_parameters(config, {**LORA, "train": ["embeddings", "norms"]})
+    assert trained == adapter_parameters(config, LORA) + 128256 * 2048 + 33 * 2048
+    assert lora["trained_parameters"] == trained
+    assert lora["device_by_component"]["model_states"] == (4 * lora["parameters"] + 12 * trained) // 8
+    assert lora["network_bytes"]["reduce_scatter"] == trained * 4 * 7 / 8
+    assert lora["checkpoint_bytes"] == int((4 * (trained + 128256 * 2048) + 8 * trained) * (1 + checkpoints.SPACE_MARGIN))
+
+
+def test_flops_per_token_of_adapters_and_trained_modules_match_torch_flop_counter():
+    """A trained head tied to trained embeddings costs a weight gradient (2 more per weight); the lookups and norms
+    cost no matmul: what torch's counter sees in a forward and backward of the adapted model."""
+    config = build_config("gpt2-tiny")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # SDPA on CPU counts as 0
+    attach(model, LoraConfig(**TRAIN), device="cpu")
+    tokens = torch.randint(0, config.vocab_size, (2, 33))
+    with FlopCounterMode(display=False) as counter:
+        logits = model(input_ids=tokens[:, :-1]).logits
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    assert trained_matrices(config, TRAIN) == 512 * 64  # the head
+    counted = counter.get_total_flops() / (2 * 32)
+    assert flops_per_token(config, 32, adapter_parameters(config, TRAIN), trained_matrices(config, TRAIN)) == counted
+

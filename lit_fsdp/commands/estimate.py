@@ -8,7 +8,8 @@ model on the meta device and no Trainer (the hardware need not be here), and pri
 step: host memory per node by buffer, the device peak by component, host-device bytes, the CPU update's bytes
 and time, network bytes per collective, compute time at the device's peak, and the step time and MFU these
 bound; and one checkpoint's bytes. With ``--model.lora`` only the adapters have gradients, AdamW state,
-reduce-scatters and checkpoints; the frozen base is still sharded in float32 and gathered in the compute dtype.
+reduce-scatters and checkpoints; under FSDP2 the frozen base is still sharded in float32 and gathered in the compute
+dtype, under SlideFSDP it is kept on the host in the compute dtype alone and streamed, with no master.
 The memory figures are the preflight's and the tuner's (``offload.host_memory``, ``lit_fsdp.commands.tune.memory``,
 ``lit_fsdp.checkpoints.checkpoint_size``);
 times are bytes or FLOPs over the hardware file's rates, each resource at its peak, overlapped as the strategy
@@ -30,12 +31,14 @@ import torch
 from lit_fsdp.checkpoints import checkpoint_size
 from lit_fsdp.commands.cli import LitFsdpCLI, run as parse_fit
 from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
+from lit_fsdp.lora import adapter_parameters, trained_matrices
 from lit_fsdp.commands.help import plain
 from lit_fsdp.strategy import CausalLMStrategy
 from lit_fsdp.commands.tune.command import default_candidate, parse_options, run_shape, split_arguments
 from lit_fsdp.commands.tune.hardware import Hardware, detect, load
 from lit_fsdp.commands.tune.memory import GIB, ModelShape, compute_dtype, estimate as device_estimate
 from lit_fsdp.commands.tune.space import Candidate
+from lit_fsdp.diloco import exchange_bytes, outer_state_bytes
 from offload.host_memory import (FLAG_ELEMENTS, RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, piece_capacity, pieces,
                                   with_runtime)
 
@@ -103,8 +106,9 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
     """SlideFSDP's host-device bytes per process per optimizer step and its device collectives' bytes.
 
     Per micro-batch every block is loaded for the forward and again for the backward, less the last
-    ``window - 1`` blocks, which stay; the root is loaded once per optimizer step (the step changes it).
-    Every unit's reduced gradient goes to the host each micro-batch; checkpointed inputs go there and back.
+    ``window - 1`` blocks, which stay; the root is loaded once per optimizer step (the step changes it), a frozen one
+    (LoRA) once per run. Every unit's reduced gradient of its trained parameters goes to the host each micro-batch;
+    checkpointed inputs go there and back.
     """
     strategy, steps = trainer.strategy, trainer.accumulate_grad_batches
     p = compute.itemsize
@@ -112,6 +116,7 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
     full = strategy.param_transfer == "full"
     shards = trainer.num_devices
     blocks, root = units[:-1], units[-1]
+    trained = [unit.trained() for unit in units]
     load = (lambda unit: unit.full_numel * p) if full else (lambda unit: unit.shard_numel * p)
     kept = max(0, strategy.window - 1)
     per_micro_batch = sum(map(load, blocks)) + sum(map(load, blocks[: len(blocks) - kept]))
@@ -119,17 +124,17 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
     inputs = 0
     if strategy.activation_offload == "cpu" and every:
         inputs = math.ceil(len(blocks) / every) * micro_batch * seq_len * hidden * p
-    incoming = sum(unit.shard_numel * (shards if strategy.grad_sync == "cpu_reduce" else 1) for unit in units)
+    incoming = sum(unit.shard_numel * (shards if strategy.grad_sync == "cpu_reduce" else 1) for unit in trained)
     if strategy.grad_sync == "gpu_reduce" and strategy.checks_units_finite(trainer):
         # the device's verdict on each gradient part travels after each of its ring-buffer pieces
         capacity = piece_capacity(units, incoming_full=False, ranks=shards)
         incoming += FLAG_ELEMENTS * sum(pieces(part, capacity) for unit in units for part in unit.part_sizes())
     traffic = {
-        "h2d": load(root) + steps * (per_micro_batch + inputs),
+        "h2d": (load(root) if trained[-1].full_numel else 0) + steps * (per_micro_batch + inputs),
         "d2h": steps * (incoming * reduce + inputs),
         "reduce_scatter": 0.0, "all_gather": 0.0, "all_reduce": 0.0,
     }
-    whole = sum(unit.shard_numel for unit in units) * shards
+    whole = sum(unit.shard_numel for unit in trained) * shards
     if strategy.grad_sync == "gpu_reduce":
         traffic["reduce_scatter"] = steps * _ring(whole * reduce, shards)
     else:  # the host all-reduces whole gradients with gloo
@@ -138,7 +143,7 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
         loads = len(blocks) * 2 - min(kept, len(blocks))
         traffic["all_gather"] = steps * loads * _ring(blocks[0].shard_numel * shards * p, shards)
     if trainer.num_nodes > 1:
-        traffic["all_reduce"] += steps * 2 * _ring(sum(u.shard_numel for u in units) * reduce, trainer.num_nodes)
+        traffic["all_reduce"] += steps * 2 * _ring(sum(u.shard_numel for u in trained) * reduce, trainer.num_nodes)
     return traffic
 
 
@@ -173,9 +178,11 @@ def adamw_state_bytes(optimizer_state_dtype: torch.dtype) -> int:
 
 
 def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype, reduce_dtype: torch.dtype) -> int:
-    """Host bytes SlideFSDP's CPU updates read and write per node per optimizer step, as implemented today.
+    """Host bytes SlideFSDP's CPU updates of ``parameters`` trained parameters read and write per node per optimizer
+    step, as implemented today (a frozen one, LoRA's base, is never updated).
 
-    Per parameter, in one pass per chunk (``offload.cpu_adam``): AdamW's fp32 weight and moments read and written
+    Per trained parameter, in one pass per chunk (``offload.cpu_adam``): AdamW's fp32 weight and moments read and
+    written
     (``adamw_state_bytes``), the staging copy written from the chunk in cache (the compute dtype), and the gradient,
     read by AdamW in the dtype it arrives in, or accumulated into the kept fp32 buffer each micro-batch when
     gradients are kept. The non-finite check is the device's with ``gpu_reduce``; with ``cpu_reduce`` the host
@@ -193,6 +200,11 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
     return parameters * per
 
 
+def _sum_known(parts: list[float | None]) -> float | None:
+    """The sum, or None where a part is unknown (a rate missing from the hardware file)."""
+    return None if any(part is None for part in parts) else sum(parts)
+
+
 def seconds(nbytes: float, gbps: float | None) -> float | None:
     return None if gbps is None else nbytes / (gbps * 1e9)
 
@@ -204,9 +216,6 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     config = module.hf_config(datamodule=data)
     strategy = trainer.strategy
     lora = module.hparams.get("lora")
-    if lora and candidate.strategy == "slide_fsdp":
-        raise ValueError(f"--model.lora needs lit_fsdp.strategy.FSDP2Strategy, but --trainer.strategy is "
-                         f"{type(strategy).__name__}: use FSDP2Strategy (cpu_offload true keeps the base on the host)")
     model = ModelShape.of(config, getattr(strategy, "block_class", None), lora)
     compute = compute_dtype(candidate, hardware.accelerator)
     reduce = strategy.resolve_dtype(strategy.reduce_dtype, fallback=compute)
@@ -221,24 +230,41 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         units = strategy.unit_sizes(module, data, trainer.num_devices)
         host = strategy.host_buffer_estimate(trainer, module, data, compute=compute, units=units)
         traffic = slide_traffic(trainer, units, data.batch_size, data.seq_len, config.hidden_size, compute, reduce)
-        update_bytes = cpu_update_bytes(trainer, model.parameters, compute, reduce)
+        update_bytes = cpu_update_bytes(trainer, model.trained, compute, reduce)
     else:
         host = {"model_states": memory.host_per_node} if candidate.cpu_offload else {}
         traffic = fsdp2_traffic(trainer, candidate, model.parameters, model.trained, compute, reduce)
         update_bytes = 0
+        if getattr(strategy, "sync_every", 0):  # semi-synchronous: the outer state, and an exchange every H steps
+            replicas, shard = strategy.mesh_shape(run.world_size, trainer.num_nodes)
+            trained = -(-model.trained // shard)
+            outer = outer_state_bytes(strategy.outer, trained)
+            if strategy.outer.state_device == "cpu":
+                host["outer_state"] = outer * processes
+            else:
+                device["outer_state"] = outer
+            traffic["all_reduce"] = exchange_bytes(strategy.outer, strategy.sync_every, trained, replicas)
     host = with_runtime(host, processes)
-    model_flops = tokens * flops_per_token(config, data.seq_len, model.trained if lora else None)
+    model_flops = tokens * flops_per_token(config, data.seq_len, adapter_parameters(config, lora) if lora else None,
+                                           trained_matrices(config, lora))
     flops = model_flops + tokens * recompute_flops_per_token(config, data.seq_len, candidate.activation_checkpointing)
     peak = hardware.peak_for(compute)
-    link = hardware.intra_node_gbps if trainer.num_nodes == 1 else hardware.inter_node_gbps
     network = {name: traffic[name] for name in ("all_gather", "reduce_scatter", "all_reduce")}
+    # a shard group inside one node gathers and reduce-scatters over its fast links; replicas on several nodes
+    # all-reduce across nodes
+    shape = strategy.mesh_shape(run.world_size, trainer.num_nodes) if candidate.strategy != "slide_fsdp" else (1,)
+    within_node = shape[-1] <= trainer.num_devices
+    shard_link = hardware.intra_node_gbps if trainer.num_nodes == 1 or within_node else hardware.inter_node_gbps
+    replica_link = hardware.intra_node_gbps if trainer.num_nodes == 1 else hardware.inter_node_gbps
+    sharded, replicated = network["all_gather"] + network["reduce_scatter"], network["all_reduce"]
     times = {
         "compute_s": None if peak is None else flops / (peak * 1e12),
         "h2d_s": seconds(traffic["h2d"], hardware.pcie_gbps) if traffic["h2d"] else 0.0,
         "d2h_s": seconds(traffic["d2h"], hardware.pcie_gbps) if traffic["d2h"] else 0.0,
         # the CPU updates of a node share its memory bandwidth
         "cpu_update_s": seconds(update_bytes, hardware.host_memory_gbps) if update_bytes else 0.0,
-        "network_s": seconds(sum(network.values()), link) if sum(network.values()) else 0.0,
+        "network_s": _sum_known([seconds(sharded, shard_link) if sharded else 0.0,
+                                 seconds(replicated, replica_link) if replicated else 0.0]),
     }
     missing = [name for name, value in times.items() if value is None]
     step_time = bound = mfu = None
@@ -264,6 +290,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         "device_peak_bytes": device_total, "device_by_component": device, "device_memory_bytes": int(device_memory),
         "fits": device_total <= device_memory and host_total <= hardware.host_memory_gb * GIB,
         "h2d_bytes": traffic["h2d"], "d2h_bytes": traffic["d2h"], "network_bytes": network,
+        "semi_synchronous": bool(getattr(strategy, "sync_every", 0)),
         "cpu_update_bytes": update_bytes, "model_flops": model_flops, "flops": flops, "times": times,
         "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu,
         "checkpoint_bytes": checkpoint.total(weights_only=False), "checkpoint_counted": checkpoint.counted,
@@ -291,12 +318,13 @@ def report(figures: dict[str, Any]) -> str:
         f"fits: {'yes' if figures['fits'] else 'NO'}",
         f"one checkpoint: {_gib(figures['checkpoint_bytes'])} ({figures['checkpoint_counted']})",
         f"host-device per process per step: H2D {figures['h2d_bytes'] / 1e9:.2f} GB, D2H {figures['d2h_bytes'] / 1e9:.2f} GB",
-        "network per process per step (uncompressed): " + ", ".join(
-            f"{name} {value / 1e9:.2f} GB" for name, value in figures["network_bytes"].items()),
+        "network per process per step (uncompressed" + ("; all_reduce: the semi-synchronous exchange, compressed, over "
+                                                         "its sync_every steps" if figures["semi_synchronous"] else "")
+        + "): " + ", ".join(f"{name} {value / 1e9:.2f} GB" for name, value in figures["network_bytes"].items()),
     ]
     if figures["cpu_update_bytes"]:
         lines.append(f"CPU update per node per step: {figures['cpu_update_bytes'] / 1e9:.1f} GB "
-                     f"({figures['cpu_update_bytes'] / figures['parameters']:.0f} B/param)")
+                     f"({figures['cpu_update_bytes'] / trained:.0f} B per trained parameter)")
     lines.append(f"compute per process per step: {figures['flops'] / 1e12:.1f} TFLOP "
                  f"({figures['model_flops'] / 1e12:.1f} without recompute)")
     times = ", ".join(f"{name.removesuffix('_s')} {value:.3f} s" for name, value in figures["times"].items()

@@ -1,7 +1,7 @@
 """Export a lit_fsdp checkpoint (sharded folder or full file) to a Hugging Face model folder.
 
-A LoRA checkpoint holds only adapters: they are merged into the base they were trained on, or written alone in
-peft's format (``--adapter_only true``).
+A LoRA checkpoint holds only what trained (the adapters, and the modules trained whole beside them): they are merged
+into the base they were trained on, or written alone in peft's format (``--adapter_only true``).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def read_metadata(checkpoint: Path) -> dict[str, Any]:
 
 
 def load_weights(checkpoint: Path, model: torch.nn.Module, only: Collection[str] | None = None) -> None:
-    """Fill ``model`` (built on CPU) with the network weights of a checkpoint; ``only``: those parameters (LoRA's
-    adapters, the whole of an adapter checkpoint)."""
+    """Fill ``model`` (built on CPU) with the network weights of a checkpoint; ``only``: those parameters (what a LoRA
+    run trained, the whole of an adapter checkpoint)."""
     wanted = {k: v for k, v in model.state_dict().items() if only is None or k in only}
     if checkpoint.is_dir():
         import torch.distributed.checkpoint as dcp
@@ -104,15 +104,17 @@ def model_from_checkpoint(checkpoint: Path, meta: dict[str, Any], base_path: str
                                 "folder here; give the base's folder with --base_path FOLDER")
     config = lora.LoraConfig(**record["lora"])
     lora.attach(model, config)
-    load_weights(checkpoint, model, only=lora.adapter_names(model))
+    # the record is of the base, before training: taken before the trained embeddings are read
     lora.check_same_base(record, lora.base_record(model, config, base, record["init_seed"]), checkpoint,
                          fix=f"give the base it was trained on, {record['base']}, with --base_path FOLDER")
+    load_weights(checkpoint, model, only=lora.trained_names(model))
     lora.merge(model)
     return model
 
 
 def export_adapters(checkpoint: Path, meta: dict[str, Any], out: Path) -> None:
-    """Write a LoRA checkpoint's adapters as peft saves them (the base is never built)."""
+    """Write a LoRA checkpoint's adapters, and the modules trained beside them, as peft saves them (the rest of the
+    base is never built)."""
     record = meta.get("lora")
     if record is None:
         raise ValueError(f"checkpoint {checkpoint} holds a whole model, not LoRA adapters; export it without --adapter_only")
@@ -120,7 +122,10 @@ def export_adapters(checkpoint: Path, meta: dict[str, Any], out: Path) -> None:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**meta["hf_config"]))
     config = lora.LoraConfig(**record["lora"])
     lora.attach(model, config, device="cpu")
-    load_weights(checkpoint, model, only=lora.adapter_names(model))
+    for path in lora.train_paths(model, config):
+        model.get_submodule(path).to_empty(device="cpu")
+    model.tie_weights()  # to_empty gave the embeddings new parameters: a tied head takes them again
+    load_weights(checkpoint, model, only=lora.trained_names(model))
     base = None if record["base"].startswith("preset ") else record["base"]
     adapter_config, tensors = lora.peft_adapter(model, config, base)
     out.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,9 @@ from lit_fsdp.strategy import FSDP2Strategy, Sharding
 
 REPO = Path(__file__).resolve().parents[2]
 
-METHODS = [p.stem for p in sorted(REPO.glob("configs/*.yaml")) if "compression:" in p.read_text()]
+# the configs that set a gradient compression, or semi-synchronous training's outer exchange
+METHODS = [p.stem for p in sorted(REPO.glob("configs/*.yaml"))
+           if "compression:" in p.read_text() or "sync_every:" in p.read_text()]
 # --strategies: named as the results records name them (the strategy's ``label``).
 STRATEGIES = {
     "ddp": {"class_path": "lit_fsdp.ddp.DDPStrategy"},

@@ -14,7 +14,7 @@ r = 4 bytes per reduced gradient value):
   units are resharded after forward (FULL_SHARD, HYBRID_SHARD), every block otherwise; plus a unit's
   and the root's unsharded gradients and their reduce buffers, (p + r) each (with LoRA: of their adapters
   only). SlideFSDP: ``window`` blocks and the root in p bytes, the root's gradients and two blocks of
-  gradients in r bytes.
+  gradients in r bytes (with LoRA: of their adapters only).
 - **activations**: per block (8h + 2i) x m x s values (8h + 4i for gated MLPs: Llama), the tensors
   autograd keeps (Korthikanti et al. 2022 without dropout masks; attention's s x s scores are not
   kept by SDPA); a checkpointed block keeps only its input (h x m x s) and one block's activations
@@ -35,7 +35,8 @@ r = 4 bytes per reduced gradient value):
   CPU the whole process: interpreter, libraries, data): measured peak minus the analytic sum.
 
 Per node on the host: SlideFSDP's buffers as ``offload.host_memory`` counts them for its preflight (14-18
-bytes per parameter, the gradient ring and offloaded activations; SlideFSDP's default float32 reduce), or
+bytes per parameter, the gradient ring and offloaded activations; SlideFSDP's default float32 reduce; with LoRA the
+frozen base's p bytes, and the 14-18 for the adapters only), or
 FSDP2's 16 x P / shard group per process with ``cpu_offload``. On a CPU
 the device is the host, so a process's estimate also carries its share of the node's host bytes.
 """
@@ -96,7 +97,9 @@ class ModelShape:
         in_blocks = [sum(p.numel() for p in block.parameters()) for _, block in blocks]
         modules = [[m for _, m in adapted(block)] for _, block in blocks]  # each block's adapted modules
         trained = sum(p.numel() for p in unique.values() if p.requires_grad) if lora else 0
-        block_adapters = [sum(m.lora_A.numel() + m.lora_B.numel() for m in block) for block in modules]
+        # what trains in each block: its adapters, and any module --model.lora trains beside them
+        block_adapters = [sum(p.numel() for p in block.parameters() if p.requires_grad) if lora else 0
+                          for _, block in blocks]
         dropped = max(sum(m.lora_A.shape[1] for m in block) for block in modules) if lora and lora.dropout else 0
         hidden = config.hidden_size
         return cls(
@@ -202,9 +205,11 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
     root = model.root_parameters
     if candidate.strategy == "slide_fsdp":
         states = 0
-        working = (candidate.window * model.block_parameters + root) * p + (root + 2 * model.block_parameters) * REDUCE_BYTES
+        working = ((candidate.window * model.block_parameters + root) * p
+                   + (model.root_trained + 2 * model.block_trained) * REDUCE_BYTES)
         processes = run.processes_per_node
-        units = [UnitSize.of(model.block_parameters, processes)] * model.layers + [UnitSize.of(root, processes)]
+        units = ([UnitSize.of(model.block_parameters, processes, model.block_trained)] * model.layers
+                 + [UnitSize.of(root, processes, model.root_trained)])
         keep = run.clipping or run.batch_per_process > candidate.micro_batch
         setup = HostSetup.of_knobs(dtype, torch.float32, getattr(torch, run.optimizer_state_dtype), processes,
                                    candidate.param_transfer, candidate.grad_sync, candidate.window, keep,
@@ -261,8 +266,6 @@ class MemoryFilter:
 
     def rejection(self, candidate: Candidate) -> str | None:
         """Why ``candidate`` does not fit, or None."""
-        if self.model.adapters and candidate.strategy == "slide_fsdp":
-            return "LoRA (--model.lora) trains on FSDP2Strategy only: SlideFSDP would stream and save the frozen base"
         e = self.estimate(candidate)
         margin = f"less the {self.margin:.0%} margin"
         if e.device_total > self.device_budget:

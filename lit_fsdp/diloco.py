@@ -1,0 +1,412 @@
+"""Semi-synchronous data parallelism (DiLoCo and Streaming DiLoCo) across the replicate dimension.
+
+Each replica group trains on its own for ``sync_every`` (H) optimizer steps: FSDP2 reduces gradients inside
+the group only. Then the groups average the pseudo-gradient ``delta = theta_outer - theta_local`` over the
+replicate dimension and apply it to ``theta_outer`` with Nesterov SGD (Douillard et al., arXiv 2311.08105:
+learning rate 0.7, momentum 0.9); each replica restarts from the new ``theta_outer``. Its inner AdamW state
+stays its own.
+
+Streaming (arXiv 2501.18512): the model is cut into ``fragments`` (FSDP units taken in turn: unit u belongs to
+fragment u mod P) that synchronise at staggered steps, fragment p at the steps t = p * H / P (mod H). A
+fragment's average is sent at step t and applied ``delay`` steps later (tau): the exchange runs on a thread of
+its own, on the host, while the inner steps go on. Then the fragment's local weights become
+``mix * local + (1 - mix) * theta_outer`` (alpha; 0 restarts the fragment from ``theta_outer``).
+
+Each rank keeps ``theta_outer`` and the outer momentum in float32 for its own shard of the trained
+parameters, in (pinned) host memory or on the device. The pseudo-gradients go through a codec from
+``compress`` (none, bf16, int8 with ``num_bits`` 4, topk with a quantiser and error feedback, ...) by
+``compress.communicator.CompressedAllReduce``: every replica decodes the same gathered bytes in rank order, so
+every replica applies the same update to the same bits.
+
+Bytes: ``stats.bytes_raw`` counts, every optimizer step, what a per-step float32 ring all-reduce of this rank's
+trained shard would send over the replicate dimension; ``stats.bytes_sent`` what the synchronisations sent.
+Their ratio is the run's ``compression_ratio``.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from compress.communicator import CommStats, CompressedAllReduce
+from compress.config import CompressionConfig
+from lit_fsdp.errors import OneLineError
+
+#: codecs whose payload the replicate all-reduce can gather or add (``compress.communicators.COMPRESSED``)
+OUTER_CODECS = ("none", "fp16", "bf16", "fp8", "int8", "qsgd", "natural", "topk", "randomk", "thresholdv", "signsgd",
+                "onebit")
+_OPTION = "--trainer.strategy.init_args.outer"
+
+
+@dataclass
+class OuterConfig:
+    """The outer step of semi-synchronous training: ``--trainer.strategy.init_args.outer '{lr: 0.7, codec: {method:
+    int8, num_bits: 4}}'``; unset fields keep DiLoCo's defaults."""
+
+    lr: float = 0.7
+    """outer learning rate on the averaged pseudo-gradient"""
+    momentum: float = 0.9
+    """outer momentum"""
+    nesterov: bool = True
+    """Nesterov momentum (DiLoCo's outer optimizer)"""
+    codec: CompressionConfig = field(default_factory=CompressionConfig)
+    """how pseudo-gradients travel: {method: none} (float32), bf16, {method: int8, num_bits: 4}, {method: topk, ratio:
+    0.03, quantize: int8, num_bits: 2, error_feedback: true} (SparseLoCo), ... (python -m lit_fsdp compressors)"""
+    fragments: int = 1
+    """streaming: FSDP units taken in turn into this many fragments, each synchronised at its own step (1: the whole
+    model at once)"""
+    delay: int = 0
+    """streaming: inner steps between sending a fragment's pseudo-gradient and applying its average (tau); the exchange
+    runs meanwhile (needs state_device cpu)"""
+    mix: float = 0.0
+    """streaming: a fragment's local weights after its update, mix * local + (1 - mix) * outer (alpha; 0: the outer)"""
+    state_device: Literal["cpu", "device"] = "cpu"
+    """where theta_outer, the outer momentum and the exchange live: cpu (pinned on GPUs; the exchange runs on a thread
+    over gloo and can overlap) or device (no copies; the exchange runs in line)"""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.codec, dict):
+            self.codec = CompressionConfig(**self.codec)
+        if not self.lr > 0 or not 0 <= self.momentum < 1 or not 0 <= self.mix < 1:
+            raise OneLineError(f"{_OPTION}: lr={self.lr}, momentum={self.momentum}, mix={self.mix}: give lr > 0 and "
+                               "momentum and mix in [0, 1)")
+        if self.fragments < 1 or self.delay < 0:
+            raise OneLineError(f"{_OPTION}: fragments={self.fragments}, delay={self.delay}: give fragments >= 1 and "
+                               "delay >= 0")
+        if self.state_device not in ("cpu", "device"):
+            raise OneLineError(f"{_OPTION}.state_device {self.state_device!r}: give cpu or device")
+        if self.delay and self.state_device == "device":
+            raise OneLineError(f"{_OPTION}: delay={self.delay} overlaps the exchange with the inner steps, which needs "
+                               "state_device cpu; set delay 0 or state_device cpu")
+        if self.codec.method not in OUTER_CODECS:
+            raise OneLineError(f"{_OPTION}.codec.method {self.codec.method!r} cannot average pseudo-gradients across "
+                               f"replicas; choose one of {', '.join(OUTER_CODECS)}")
+        self.codec.build(rank=0)  # an unknown or misplaced codec parameter: one line now
+
+    def check(self, sync_every: int) -> None:
+        """Refuse what cannot run with ``sync_every`` inner steps per synchronisation."""
+        if self.fragments > sync_every:
+            raise OneLineError(f"{_OPTION}.fragments={self.fragments} exceeds sync_every={sync_every}: each fragment "
+                               "synchronises at its own step of the H; give fragments <= sync_every")
+        if self.delay >= sync_every:
+            raise OneLineError(f"{_OPTION}.delay={self.delay}: a fragment's average must be applied before its next "
+                               f"synchronisation, sync_every={sync_every} steps later; give delay < sync_every")
+
+    def check_units(self, units: int) -> None:
+        """Refuse more fragments than the model has FSDP units."""
+        if self.fragments > units:
+            raise OneLineError(f"{_OPTION}.fragments={self.fragments} exceeds the model's {units} FSDP units (its blocks' "
+                               f"and the root); give fragments <= {units} (or a smaller blocks_per_group)")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values, for the results record."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["codec"] = {k: v for k, v in vars(self.codec).items() if v is not None}
+        return values
+
+
+def ring_all_reduce_bytes(numel: int, replicas: int) -> int:
+    """What one rank sends in a float32 ring all-reduce of ``numel`` values over ``replicas`` ranks."""
+    return round(2 * (replicas - 1) / replicas * numel) * 4  # as compress.communicator.count_uncompressed counts it
+
+
+def outer_state_bytes(config: OuterConfig, trained: int) -> int:
+    """One rank's outer state for its ``trained`` parameters (its shard): theta_outer and the momentum in float32,
+    the codec's error-feedback residual, and one fragment's pseudo-gradient in flight."""
+    per_parameter = 8 + (4 if config.codec.error_feedback else 0)
+    return per_parameter * trained + 4 * -(-trained // config.fragments)
+
+
+def exchange_bytes(config: OuterConfig, sync_every: int, trained: int, replicas: int, sample: int = 1 << 20) -> float:
+    """What one rank sends per optimizer step, averaged over ``sync_every`` steps: a ring all-reduce of its ``trained``
+    shard for ``none`` and the codecs that add on the wire, otherwise its payload to every other replica. The
+    payload's size is measured on ``sample`` random values."""
+    compressor = config.codec.build(rank=0)
+    if compressor is None:
+        return ring_all_reduce_bytes(trained, replicas) / sync_every
+    n = min(trained, sample)
+    payload = compressor.compress(torch.randn(n, generator=torch.Generator().manual_seed(0)), "estimate", 1)
+    share = payload.nbytes / (4 * n)
+    if getattr(compressor, "linear", False):
+        return ring_all_reduce_bytes(trained, replicas) * share / sync_every
+    return (replicas - 1) * 4 * trained * share / sync_every
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+class _Fragment:
+    """One fragment's trained parameters, its theta_outer and momentum (flat float32), and its exchange in flight."""
+
+    def __init__(self, index: int, params: list[torch.Tensor], offset: int, device: torch.device, pin: bool):
+        self.index, self.params, self.offset = index, params, offset
+        self.numel = sum(_local(p).numel() for p in params)
+        self.outer = torch.empty(self.numel, dtype=torch.float32, device=device, pin_memory=pin)
+        self.momentum = torch.zeros(self.numel, dtype=torch.float32, device=device, pin_memory=pin)
+        self.pending: torch.Tensor | None = None  # the averaged pseudo-gradient, once the exchange ended
+        self.apply_at: int | None = None  # the inner step after which it is applied
+        self.exchange: Future | None = None  # on the exchange thread
+        self.exchange_s = 0.0
+
+    def local_flat(self, device: torch.device) -> torch.Tensor:
+        """This rank's shard of the fragment's weights, flat float32 on ``device``."""
+        return torch.cat([_local(p).detach().reshape(-1).to(device=device, dtype=torch.float32) for p in self.params])
+
+    def write_local(self, flat: torch.Tensor) -> None:
+        """Put ``flat`` (float32, on any device) into the weights' shards."""
+        start = 0
+        with torch.no_grad():
+            for param in self.params:
+                local = _local(param)
+                local.copy_(flat[start : start + local.numel()].view_as(local))
+                start += local.numel()
+
+
+class OuterSync:
+    """Every rank's outer state and the synchronisations of its fragments (see the module docstring).
+
+    ``fragments``: the trained parameters of each fragment, in the same order on every rank; ``group``: the
+    replicate process group (gloo for ``state_device: cpu``). The strategy calls ``after_step`` after every
+    optimizer step. ``config`` (the codec's), ``stats`` and ``compressor`` are what ``callbacks.CompressionStats``
+    reads (``lit_fsdp.reporting.CompressionReport``); ``settings`` is the ``OuterConfig``.
+    """
+
+    def __init__(self, config: OuterConfig, sync_every: int, fragments: list[list[torch.Tensor]],
+                 group: dist.ProcessGroup, device: torch.device):
+        config.check(sync_every)
+        self.settings, self.config, self.sync_every, self.group = config, config.codec, sync_every, group
+        self.replicas = group.size()
+        self.device = torch.device("cpu") if config.state_device == "cpu" else device
+        pin = self.device.type == "cpu" and device.type == "cuda"
+        P = len(fragments)
+        self.fragments = [_Fragment(i, params, i * sync_every // P, self.device, pin) for i, params in enumerate(fragments)]
+        self.trained_numel = sum(f.numel for f in self.fragments)
+        self.compressor = config.codec.build(rank=dist.get_rank())
+        self.stats = CommStats()  # what CompressionStats reads: raw bytes every step, sent bytes at synchronisations
+        # each fragment's all-reduce counts into its own (its raw bytes are those of one synchronisation, not H steps)
+        self._exchange_stats = [CommStats() for _ in self.fragments]
+        self._reducers = [CompressedAllReduce(self.compressor or _Uncompressed(), stats, f"outer{f.index}", group)
+                          for f, stats in zip(self.fragments, self._exchange_stats)]
+        self.steps = 0  # inner optimizer steps taken
+        self.syncs = 0
+        self.wait_s = 0.0  # the main thread's time blocked on exchanges
+        self._thread: ThreadPoolExecutor | None = None
+        self.reset_outer()
+
+    def reset_outer(self) -> None:
+        """theta_outer from the current weights (identical on every replica at the start)."""
+        for fragment in self.fragments:
+            fragment.outer.copy_(fragment.local_flat(self.device))
+            fragment.momentum.zero_()
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def after_step(self) -> None:
+        """One inner optimizer step was taken: apply the averages due now, then send the fragments due now."""
+        self.steps += 1
+        self.stats.bytes_raw += ring_all_reduce_bytes(self.trained_numel, self.replicas)
+        for fragment in self.fragments:
+            if fragment.apply_at == self.steps:
+                self._apply(fragment)
+        for fragment in self.fragments:
+            if self.steps % self.sync_every == fragment.offset:
+                self._send(fragment)
+                if self.settings.delay == 0:
+                    self._apply(fragment)
+
+    def _send(self, fragment: _Fragment) -> None:
+        delta = fragment.outer - fragment.local_flat(self.device)
+        fragment.apply_at = self.steps + self.settings.delay
+        reducer = self._reducers[fragment.index]
+        self.syncs += 1
+        self.stats.calls += 1
+        if self.settings.delay == 0:
+            self._exchange(fragment, reducer, delta)
+            return
+        if self._thread is None:  # one thread: the exchanges run in the order sent, the same on every rank
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-sync")
+        fragment.exchange = self._thread.submit(self._exchange, fragment, reducer, delta)
+
+    @staticmethod
+    def _exchange(fragment: _Fragment, reducer: CompressedAllReduce, delta: torch.Tensor) -> None:
+        """Average ``delta`` over the replicas (in place, every replica the same bits); on the thread, if any."""
+        begin = time.perf_counter()
+        reducer(delta)
+        fragment.pending = delta
+        fragment.exchange_s += time.perf_counter() - begin
+
+    def _wait(self, fragment: _Fragment) -> None:
+        """Until the fragment's exchange has ended; then its bytes and times join ``stats``."""
+        if fragment.exchange is not None:
+            begin = time.perf_counter()
+            exchange, fragment.exchange = fragment.exchange, None
+            try:
+                exchange.result()
+            except Exception as error:
+                raise RuntimeError(f"the outer synchronisation of fragment {fragment.index} failed: {error}") from error
+            finally:
+                self.wait_s += time.perf_counter() - begin
+        taken = self._exchange_stats[fragment.index].take()
+        for key in ("numel", "bytes_sent", "bytes_index", "values_sent", "compress_s", "decompress_s",
+                    "extra_collectives", "extra_collective_s"):
+            setattr(self.stats, key, getattr(self.stats, key) + taken[key])
+        self.stats.buffer_bytes = max(self.stats.buffer_bytes, int(taken["buffer_bytes"]))
+
+    def _apply(self, fragment: _Fragment) -> None:
+        """Nesterov SGD on theta_outer with the averaged pseudo-gradient, then the fragment's local weights."""
+        self._wait(fragment)
+        delta, fragment.pending, fragment.apply_at = fragment.pending, None, None
+        assert delta is not None
+        config = self.settings
+        if config.momentum:
+            fragment.momentum.mul_(config.momentum).add_(delta)
+            update = delta.add(fragment.momentum, alpha=config.momentum) if config.nesterov else fragment.momentum
+        else:
+            update = delta
+        fragment.outer.add_(update, alpha=-config.lr)
+        if config.mix:
+            fragment.write_local(fragment.local_flat(self.device).mul_(config.mix).add_(fragment.outer, alpha=1 - config.mix))
+        else:
+            fragment.write_local(fragment.outer)
+
+    def finish(self) -> None:
+        """Wait for every exchange in flight (the end of training, or before a checkpoint)."""
+        for fragment in self.fragments:
+            self._wait(fragment)
+
+    def close(self) -> None:
+        """Wait for the exchanges in flight and end the exchange thread."""
+        self.finish()
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
+
+    # --- figures ------------------------------------------------------------------------------------
+
+    def figures(self) -> dict[str, Any]:
+        """Synchronisations, the exchanges' time and the share of it the inner steps hid (1 - waited / exchanged)."""
+        exchanged = sum(f.exchange_s for f in self.fragments)
+        hidden = None
+        if exchanged and self.settings.delay:
+            hidden = max(0.0, 1.0 - self.wait_s / exchanged)
+        return {"outer_syncs": self.syncs, "outer_sync_s": exchanged, "outer_wait_s": self.wait_s,
+                "outer_hidden_share": hidden if self.settings.delay else 0.0, "sync_every": self.sync_every,
+                "outer": self.settings.as_dict()}
+
+    # --- checkpoints --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's outer state: steps, theta_outer, momentum, every average in flight (waited for) with the
+        step it is due, the codec's residuals and seeds."""
+        self.finish()
+        state: dict[str, torch.Tensor] = {"steps": torch.tensor(self.steps), "syncs": torch.tensor(self.syncs)}
+        for fragment, reducer in zip(self.fragments, self._reducers):
+            name = f"fragment{fragment.index}"
+            state[f"{name}/outer"] = fragment.outer.cpu().clone()
+            state[f"{name}/momentum"] = fragment.momentum.cpu().clone()
+            state[f"{name}/calls"] = torch.tensor(reducer.mover.calls)
+            if fragment.pending is not None:
+                state[f"{name}/pending"] = fragment.pending.cpu().clone()
+                state[f"{name}/apply_at"] = torch.tensor(fragment.apply_at)
+        codec_state = getattr(self.compressor, "state_dict", None)
+        if codec_state is not None:
+            state.update({f"codec/{key}": value.cpu() for key, value in codec_state().items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.finish()
+        self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+        for fragment, reducer in zip(self.fragments, self._reducers):
+            name = f"fragment{fragment.index}"
+            if state[f"{name}/outer"].numel() != fragment.numel:
+                raise ValueError(f"the checkpoint's outer state of fragment {fragment.index} holds "
+                                 f"{state[f'{name}/outer'].numel()} values, this run's {fragment.numel}: resume with "
+                                 "the same model, sharding and outer.fragments")
+            fragment.outer.copy_(state[f"{name}/outer"])
+            fragment.momentum.copy_(state[f"{name}/momentum"])
+            reducer.mover.calls = int(state[f"{name}/calls"])
+            pending = state.get(f"{name}/pending")
+            fragment.pending = None if pending is None else pending.to(self.device)
+            fragment.apply_at = None if pending is None else int(state[f"{name}/apply_at"])
+        codec = {k.removeprefix("codec/"): v.to(self.device) for k, v in state.items() if k.startswith("codec/")}
+        if codec and hasattr(self.compressor, "load_state_dict"):
+            self.compressor.load_state_dict(codec)
+
+
+class _Uncompressed:
+    """The ``none`` codec for ``CompressedAllReduce``: its uncompressed path (a plain all-reduce, then / replicas)."""
+
+    compressing = False
+
+
+# --- what the strategy builds and checkpoints ------------------------------------------------------
+
+
+def outer_fragments(units: list[torch.nn.Module], config: OuterConfig) -> list[list[torch.Tensor]]:
+    """The trained parameters of each fragment: FSDP units (blocks first, the root last, as ``parallelize`` returns
+    them) taken in turn, unit u into fragment u mod ``config.fragments``; each parameter in the innermost unit holding it."""
+    config.check_units(len(units))
+    fragments = config.fragments
+    seen: set[int] = set()
+    out: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
+    for index, unit in enumerate(units):
+        for param in unit.parameters():
+            if id(param) not in seen and param.requires_grad:
+                seen.add(id(param))
+                out[index % fragments].append(param)
+    return out
+
+
+def replica_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
+    """This rank's shards of its replica's trained weights and optimizer state, which differ from the other
+    replicas' between synchronisations (a sharded checkpoint keeps one replica's): copies on the CPU."""
+    state = {f"weights/{i}": _local(p).detach().cpu().clone() for i, p in enumerate(_trained(model))}
+    for o, optimizer in enumerate(optimizers):
+        for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    state[f"optimizer{o}/{i}/{key}"] = _local(value).detach().cpu().clone()
+    return state
+
+
+def load_replica_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                       state: dict[str, torch.Tensor]) -> None:
+    """Put ``replica_state``'s copies back into this rank's weights and optimizer state."""
+    with torch.no_grad():
+        for i, param in enumerate(_trained(model)):
+            _local(param).copy_(state[f"weights/{i}"])
+        for o, optimizer in enumerate(optimizers):
+            for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+                for key, value in optimizer.state.get(param, {}).items():
+                    saved = state.get(f"optimizer{o}/{i}/{key}")
+                    if isinstance(value, torch.Tensor) and saved is not None:
+                        _local(value).copy_(saved)
+
+
+def _trained(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def replicate_group(mesh: DeviceMesh, on_host: bool) -> dist.ProcessGroup:
+    """The process group the outer exchange runs on: the mesh's replicate group, or (``on_host``) a gloo group of
+    the same ranks of its own, which a thread may use while the training's collectives run (every rank builds
+    every shard position's group, in the same order)."""
+    if not on_host:
+        return mesh["replicate"].get_group()
+    ranks = mesh.mesh  # (replicate, shard) ranks
+    mine = None
+    for position in range(ranks.shape[1]):
+        members = ranks[:, position].tolist()
+        group = dist.new_group(members, backend="gloo")
+        if dist.get_rank() in members:
+            mine = group
+    assert mine is not None
+    return mine

@@ -1,0 +1,276 @@
+"""Semi-synchronous training (issue 30): ``lit_fsdp.diloco.OuterSync`` against a reference loop written from the
+DiLoCo paper, replicas identical after each synchronisation, streaming fragments, codecs and refusals."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+
+from compress.config import CompressionConfig
+from lit_fsdp.diloco import OuterConfig, OuterSync
+from lit_fsdp.strategy import FSDP2Strategy
+from lit_fsdp.errors import OneLineError
+from tests.distributed import run
+from tests.helpers import REPO, fit, fit_arguments, run_cli
+
+SHAPES = [(6, 5), (5,), (5, 6)]
+H, STEPS = 3, 7
+
+
+def data(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch replica ``replica`` trains on at ``step``: its own data."""
+    generator = torch.Generator().manual_seed(1000 * replica + step)
+    return torch.randn(8, 6, generator=generator), torch.randn(8, 6, generator=generator)
+
+
+def initial() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def loss(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    w1, b, w2 = params
+    return ((torch.tanh(x @ w1 + b) @ w2 - y) ** 2).mean()
+
+
+def inner_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, replica: int, step: int) -> None:
+    optimizer.zero_grad()
+    loss(params, *data(replica, step)).backward()
+    optimizer.step()
+
+
+def reference(replicas: int, steps: int, sync_every: int, lr: float, momentum: float) -> list[list[torch.Tensor]]:
+    """DiLoCo as the paper writes it: each replica takes H AdamW steps, then the outer Nesterov SGD (torch's) steps
+    theta_outer with the mean of theta_outer - theta_replica, and every replica restarts from it."""
+    outer = [p.clone().requires_grad_(True) for p in initial()]
+    outer_optimizer = torch.optim.SGD(outer, lr=lr, momentum=momentum, nesterov=True)
+    models = [[p.clone().requires_grad_(True) for p in initial()] for _ in range(replicas)]
+    optimizers = [torch.optim.AdamW(m, lr=0.05) for m in models]
+    for step in range(1, steps + 1):
+        for r in range(replicas):
+            inner_step(models[r], optimizers[r], r, step)
+        if step % sync_every == 0:
+            for i, p in enumerate(outer):
+                deltas = [p.detach() - models[r][i].detach() for r in range(replicas)]
+                total = deltas[0].clone()
+                for d in deltas[1:]:
+                    total += d
+                p.grad = total / replicas
+            outer_optimizer.step()
+            with torch.no_grad():
+                for m in models:
+                    for mine, o in zip(m, outer):
+                        mine.copy_(o)
+    return [[p.detach() for p in m] for m in models]
+
+
+def _train(rank: int, world: int, outer: dict, fragments_of: list[int], steps: int) -> dict:
+    params = [p.clone().requires_grad_(True) for p in initial()]
+    optimizer = torch.optim.AdamW(params, lr=0.05)
+    config = OuterConfig(**outer)
+    fragments = [[params[i] for i in range(len(params)) if fragments_of[i] == f] for f in range(config.fragments)]
+    sync = OuterSync(config, H, fragments, dist.new_group(backend="gloo"), torch.device("cpu"))
+    after_sync = []
+    for step in range(1, steps + 1):
+        inner_step(params, optimizer, rank, step)
+        sync.after_step()
+        if step % H == 0:
+            after_sync.append([p.detach().clone() for p in params])
+    sync.close()
+    return {"params": [p.detach() for p in params], "after_sync": after_sync, "stats": sync.stats.take(),
+            "figures": sync.figures(), "outer": [f.outer.clone() for f in sync.fragments]}
+
+
+# name: (outer settings, each parameter's fragment, steps); run one after another in one spawn of 3 processes
+SCENARIOS = {
+    "paper": ({"lr": 0.7, "momentum": 0.9}, [0, 0, 0], STEPS),
+    "int4": ({"codec": {"method": "int8", "num_bits": 4}}, [0, 0, 0], 2 * H),
+    "topk_ef": ({"codec": {"method": "topk", "ratio": 0.3, "error_feedback": True}}, [0, 0, 0], 2 * H),
+    "streaming": ({"fragments": 2, "delay": 1, "mix": 0.5}, [0, 1, 0], 2 * H),
+}
+
+
+def _every_scenario(rank: int, world: int) -> dict:
+    return {name: _train(rank, world, *scenario) for name, scenario in SCENARIOS.items()}
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> dict[str, list[dict]]:
+    ranks = run(_every_scenario, tmp_path_factory.mktemp("outer"), world=3)
+    return {name: [r[name] for r in ranks] for name in SCENARIOS}
+
+
+def test_outer_steps_equal_the_reference_loop_from_the_paper(scenarios):
+    ranks = scenarios["paper"]
+    expected = reference(3, STEPS, H, lr=0.7, momentum=0.9)
+    for rank, result in enumerate(ranks):  # to float32 rounding: gloo's ring adds 3 replicas in another order
+        for got, want in zip(result["params"], expected[rank]):
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    # a synchronisation every H steps: the fp32 ring all-reduce of every step against one of every H
+    stats = ranks[0]["stats"]
+    assert ranks[0]["figures"]["outer_syncs"] == STEPS // H
+    assert stats["bytes_raw"] / stats["bytes_sent"] == pytest.approx(STEPS / (STEPS // H))
+
+
+@pytest.mark.parametrize("codec", ["int4", "topk_ef"])
+def test_three_replicas_hold_the_same_bits_after_each_synchronisation(scenarios, codec):
+    ranks = scenarios[codec]
+    for after in zip(*(r["after_sync"] for r in ranks)):
+        for tensors in zip(*after):
+            assert all(torch.equal(tensors[0], t) for t in tensors[1:])
+    assert not torch.equal(ranks[0]["params"][0], initial()[0])
+    stats = ranks[0]["stats"]
+    assert stats["bytes_raw"] / stats["bytes_sent"] > H  # the codec's ratio on top of the H steps
+
+
+def test_streaming_fragments_sync_at_staggered_steps_and_overlap_their_exchange(scenarios):
+    ranks = scenarios["streaming"]
+    # fragment 0 at steps 3 and 6 (applied at 4 and 7: the last still in flight at the end), fragment 1 at 1 and 4
+    # (applied at 2 and 5)
+    assert ranks[0]["figures"]["outer_syncs"] == 4
+    for tensors in zip(*(r["outer"] for r in ranks)):
+        assert all(torch.equal(tensors[0], t) for t in tensors[1:])  # theta_outer is the same on every replica
+    assert not torch.equal(ranks[0]["params"][1], ranks[1]["params"][1])  # local weights are mixed: they differ
+    assert 0 <= ranks[0]["figures"]["outer_hidden_share"] <= 1
+
+
+@pytest.mark.parametrize(("outer", "message"), [
+    ({"lr": 0}, "give lr > 0 and momentum and mix in [0, 1)"),
+    ({"fragments": 0}, "give fragments >= 1 and delay >= 0"),
+    ({"delay": 1, "state_device": "device"}, "needs state_device cpu"),
+    ({"codec": {"method": "powersgd"}}, "cannot average pseudo-gradients across replicas; choose one of none"),
+    ({"codec": {"method": "int8", "ratio": 0.1}}, "compression parameter ratio does not apply to method 'int8'"),
+])
+def test_impossible_outer_settings_are_one_line(outer, message):
+    with pytest.raises((OneLineError, ValueError), match=None) as caught:
+        OuterConfig(**outer)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("outer", "message"), [
+    ({"fragments": 4}, "fragments=4 exceeds sync_every=3"),
+    ({"delay": 3}, "give delay < sync_every"),
+])
+def test_outer_settings_that_do_not_fit_sync_every_are_one_line(outer, message):
+    with pytest.raises(OneLineError, match=message):
+        OuterConfig(**outer).check(H)
+
+
+# --- through the strategy and the CLI -------------------------------------------------------------------------
+
+STRATEGY = "--trainer.strategy.init_args"
+RECORDS = [{"class_path": "callbacks.CompressionStats"}, {"class_path": "callbacks.Results"}]  # results.jsonl
+
+
+class DigestsAfterSteps(pl.Callback):
+    """After every optimizer step, a SHA-256 of each of this rank's parameter shards; written to ``<path>.rank<r>``."""
+
+    def __init__(self, path: str):
+        self.path, self.steps = path, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps[trainer.global_step] = [
+            hashlib.sha256(p.to_local().detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for p in pl_module.model.parameters()]
+
+    def on_train_end(self, trainer, pl_module):
+        Path(f"{self.path}.rank{trainer.global_rank}").write_text(json.dumps(self.steps))
+
+
+def _fit_in_process(rank: int, world: int, arguments: list[str]) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))  # Lightning launches no process
+    from lit_fsdp import checkpoints
+    from lit_fsdp.commands.cli import run as cli
+
+    if rank:  # the preflight's write probe has one name per folder: rank 0's
+        checkpoints.check_writable = lambda folder, flag: None
+    cli(arguments)
+
+
+def test_three_replicas_of_a_run_are_bit_identical_right_after_each_synchronisation(tmp_path):
+    """NO_SHARD on 3 processes, each its own replica on its own data, int8 at 4 bits, a synchronisation every 3 steps."""
+    probe = {"class_path": f"{__name__}.DigestsAfterSteps", "init_args": {"path": str(tmp_path / "digests")}}
+    arguments = fit_arguments(tmp_path, "--config", str(REPO / "configs" / "diloco.yaml"), f"{STRATEGY}.sync_every", "3",
+                              "--trainer.devices", "3", steps=7,
+                              callbacks=[probe, *RECORDS])
+    run(_fit_in_process, tmp_path, arguments, world=3)
+    ranks = [json.loads(Path(f"{tmp_path / 'digests'}.rank{r}").read_text()) for r in range(3)]
+    for step in ("3", "6"):
+        assert ranks[0][step] == ranks[1][step] == ranks[2][step], f"replicas differ after the synchronisation at {step}"
+    for step in ("1", "2", "4", "5", "7"):  # between synchronisations each replica follows its own data
+        assert ranks[0][step] != ranks[1][step] != ranks[2][step]
+    record = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
+    assert record["strategy"] == "fsdp2_no_shard_diloco3" and record["outer_syncs"] == 2
+    # 7 steps of a per-step fp32 ring all-reduce against 2 exchanges of 4-bit values (one fp32 scale per 1024):
+    # all-gathered over 3 replicas, each sends 2 of its payloads for 4/3 of the values in fp32
+    assert record["compression_ratio"] == pytest.approx(7 / 2 * (4 / 3 * 4) / (2 * (0.5 + 4 / 1024)), rel=0.02)
+
+
+@pytest.mark.parametrize("config", ["diloco.yaml", "diloco_streaming.yaml"])
+def test_the_diloco_configs_train_on_two_processes(tmp_path, config):
+    metrics = fit(tmp_path, "--config", str(REPO / "configs" / config), f"{STRATEGY}.sync_every", "4", steps=8,
+                  callbacks=RECORDS)
+    record = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
+    assert len(metrics["train/loss"]) == 8 and all(math.isfinite(v) for v in metrics["train/loss"])
+    # streaming: fragment 0 at steps 4 and 8, fragment 1 at 1 and 5, fragment 2 at 2 and 6
+    assert record["outer_syncs"] == (2 if config == "diloco.yaml" else 6)
+    assert record["compression_ratio"] > 4 * 7  # a synchronisation every 4 steps, 4-bit values
+
+
+@pytest.mark.parametrize(("settings", "processes", "message"), [
+    ({"sync_every": -1}, 2, "sync_every=-1: give the optimizer steps between synchronisations"),
+    ({"sync_every": 4}, 2, "FULL_SHARD on 2 process(es) has no replicate dimension"),
+    ({"sync_every": 4, "sharding": "HYBRID_SHARD", "replicate_size": 1}, 2, "has one replica"),
+    ({"sync_every": 4, "sharding": "NO_SHARD"}, 1, "NO_SHARD on 1 process(es) has one replica"),
+    ({"sync_every": 4, "sharding": "NO_SHARD", "compression": CompressionConfig(method="int8")}, 2,
+     "a per-step compression hook cannot take part in"),
+    ({"sync_every": 4, "sharding": "NO_SHARD", "outer": {"fragments": 8}}, 2, "fragments=8 exceeds sync_every=4"),
+    ({"outer": {"lr": 0.5}}, 2, "outer sets the outer step of semi-synchronous training; set sync_every too"),
+    ({"sync_every": 4, "sharding": "NO_SHARD", "save_distributed_checkpoint": False}, 2,
+     "keep save_distributed_checkpoint true"),
+])
+def test_what_semi_synchronous_training_cannot_do_is_refused_in_one_line(settings, processes, message):
+    """The strategy's own checks, which the CLI's preflight runs before any worker starts (as the next test shows)."""
+    with pytest.raises((ValueError, OneLineError)) as caught:
+        FSDP2Strategy(**settings).mesh_shape(processes, 1)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_more_fragments_than_fsdp_units_is_refused_before_any_worker_starts(tmp_path):
+    done = run_cli(*fit_arguments(tmp_path, "--config", str(REPO / "configs" / "diloco_streaming.yaml"),
+                                  f"{STRATEGY}.outer.fragments", "4"), cwd=tmp_path, check=False)
+    assert "fragments=4 exceeds the model's 3 FSDP units (its blocks' and the root)" in done.stderr
+    assert "Initializing distributed" not in done.stdout + done.stderr
+
+
+def test_estimate_counts_the_outer_state_on_the_host_and_the_exchange_over_its_steps(tmp_path, capsys):
+    """Llama-8B, 2 nodes x 8 H100s, HYBRID_SHARD: each rank keeps theta_outer and momentum (8 B) and one pseudo-gradient
+    in flight (4 B) per parameter of its shard, and sends a 4-bit payload to the other replica every 32 steps."""
+    from lit_fsdp.commands.estimate import main
+
+    hardware = json.loads((REPO / "configs" / "hardware" / "h100_128g.json").read_text())
+    hardware.update(nodes=2, devices_per_node=8, host_memory_gb=1024, intra_node_gbps=450, inter_node_gbps=1.25)
+    (tmp_path / "h100x16.json").write_text(json.dumps(hardware))
+    shape = ["--config", str(REPO / "configs" / "quickstart.yaml"), "--model.preset", "llama-8b",
+             "--trainer.accelerator", "gpu", "--trainer.num_nodes", "2", "--trainer.devices", "8",
+             f"{STRATEGY}.sharding", "HYBRID_SHARD", f"{STRATEGY}.param_dtype", "bfloat16",
+             "--data.init_args.vocab_size", "128256", "--data.init_args.seq_len", "2048",
+             "--tune.hardware", str(tmp_path / "h100x16.json"), "--json"]
+    main(shape)
+    synchronous = json.loads(capsys.readouterr().out)
+    main([*shape, f"{STRATEGY}.sync_every", "32", f"{STRATEGY}.outer", "{codec: {method: int8, num_bits: 4}}"])
+    figures = json.loads(capsys.readouterr().out)
+    shard = -(-figures["trained_parameters"] // 8)
+    assert figures["host_by_buffer"]["outer_state"] == 8 * 12 * shard
+    # 4 bits and an fp32 scale per 1024 values, to the one other replica, over 32 steps; against a ring all-reduce
+    assert figures["network_bytes"]["all_reduce"] == pytest.approx(shard * (0.5 + 4 / 1024) / 32, rel=1e-3)
+    assert synchronous["network_bytes"]["all_reduce"] == pytest.approx(2 * 4 * shard / 2, rel=1e-3)
+    assert figures["times"]["network_s"] < synchronous["times"]["network_s"]
