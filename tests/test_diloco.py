@@ -19,7 +19,7 @@ from lit_fsdp.diloco import OuterConfig, OuterSync
 from lit_fsdp.strategy import FSDP2Strategy
 from lit_fsdp.errors import OneLineError
 from tests.distributed import run
-from tests.helpers import REPO, fit, fit_arguments, run_cli
+from tests.helpers import REPO, fit_arguments, read_metrics, run_cli
 
 SHAPES = [(6, 5), (5,), (5, 6)]
 H, STEPS = 3, 7
@@ -214,12 +214,30 @@ def test_three_replicas_of_a_run_are_bit_identical_right_after_each_synchronisat
     assert record["compression_ratio"] == pytest.approx(7 / 2 * (4 / 3 * 4) / (2 * (0.5 + 4 / 1024)), rel=0.02)
 
 
-@pytest.mark.parametrize("config", ["diloco.yaml", "diloco_streaming.yaml"])
-def test_the_diloco_configs_train_on_two_processes(tmp_path, config):
-    metrics = fit(tmp_path, "--config", str(REPO / "configs" / config), f"{STRATEGY}.sync_every", "4", steps=8,
-                  callbacks=RECORDS)
-    record = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
-    assert len(metrics["train/loss"]) == 8 and all(math.isfinite(v) for v in metrics["train/loss"])
+CONFIGS = ("diloco.yaml", "diloco_streaming.yaml")
+
+
+def _fit_each(rank: int, world: int, runs: list[list[str]]) -> None:
+    for arguments in runs:
+        _fit_in_process(rank, world, arguments)
+
+
+@pytest.fixture(scope="module")
+def config_runs(tmp_path_factory) -> Path:
+    """Both configs, 8 steps each with a synchronisation every 4, on 2 processes (one spawn, the CLI in-process)."""
+    root = tmp_path_factory.mktemp("configs")
+    runs = [fit_arguments(root / config, "--config", str(REPO / "configs" / config), f"{STRATEGY}.sync_every", "4",
+                          steps=8, callbacks=RECORDS) for config in CONFIGS]
+    run(_fit_each, root, runs)
+    return root
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_the_diloco_configs_train_on_two_processes(config_runs, config):
+    folder = config_runs / config
+    losses = read_metrics(max(folder.glob("lightning_logs/version_*/metrics.csv")))["train/loss"]
+    record = json.loads((folder / "results.jsonl").read_text().splitlines()[-1])
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses) and record["world_size"] == 2
     # streaming: fragment 0 at steps 4 and 8, fragment 1 at 1 and 5, fragment 2 at 2 and 6
     assert record["outer_syncs"] == (2 if config == "diloco.yaml" else 6)
     assert record["compression_ratio"] > 4 * 7  # a synchronisation every 4 steps, 4-bit values
