@@ -31,15 +31,17 @@ def error_line(error: BaseException) -> str:
     """The one line that says what was wrong.
 
     A constructor's error (``SlideFSDPStrategy(window=0)``) can reach us only as one entry of
-    jsonargparse's list of failed Union alternatives ("Errors: - Expected a <class 'str'> - ..."):
-    the entry that is not a type mismatch is the one to show.
+    jsonargparse's list of failed Union alternatives ("Errors: - Expected a <class 'str'> - ..."), nested
+    once per Union it sits in (a dataclass inside a strategy's arguments): the first entry, at any depth, that
+    is neither a type mismatch nor another Union's failure is the one to show.
     """
     text = str(error)
     if isinstance(error, OneLineError):
         return text.strip().splitlines()[0] if text.strip() else type(error).__name__
     if "\nErrors:\n" in text:
         entries = [line.strip()[2:] for line in text.split("\nErrors:\n", 1)[1].splitlines() if line.strip().startswith("- ")]
-        specific = [entry for entry in entries if not entry.startswith("Expected a ")]
+        specific = [entry for entry in entries
+                    if not entry.startswith(("Expected a ", "Does not validate against any of the Union subtypes"))]
         if specific:
             return specific[0]
     lines = str(root_cause(error)).strip().splitlines()

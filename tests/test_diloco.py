@@ -292,3 +292,16 @@ def test_estimate_counts_the_outer_state_on_the_host_and_the_exchange_over_its_s
     assert figures["network_bytes"]["all_reduce"] == pytest.approx(shard * (0.5 + 4 / 1024) / 32, rel=1e-3)
     assert synchronous["network_bytes"]["all_reduce"] == pytest.approx(2 * 4 * shard / 2, rel=1e-3)
     assert figures["times"]["network_s"] < synchronous["times"]["network_s"]
+
+
+def test_a_codec_parameter_the_config_left_is_named_in_one_line(capsys):
+    """A command-line ``outer`` merges into the config's: diloco.yaml's num_bits 4 stays beside method none. The
+    error sits two Unions deep in jsonargparse's message (the strategy's, then ``outer``'s); the line names it."""
+    from lit_fsdp.commands.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--config", str(REPO / "configs" / "quickstart.yaml"), "--config",
+              str(REPO / "configs" / "diloco.yaml"), f"{STRATEGY}.outer", "{codec: {method: none}}"])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(errors) == 1, errors
+    assert "compression parameter num_bits does not apply to method 'none'; it takes no parameters" in errors[0]
