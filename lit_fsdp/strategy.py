@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
@@ -639,11 +639,13 @@ class FSDP2Strategy(CausalLMStrategy):
                 self.comm_hook.load_state_dict({key: value.to(self.root_device) for key, value in state.items()})
         if self.outer_sync is not None:
             state = self._rank_state(path, _OUTER_STATE, "outer state (theta_outer, momentum, each replica's weights)")
-            if state is None:
-                raise ValueError(f"checkpoint {path} holds no semi-synchronous state for rank {self.global_rank}: resume "
-                                 "it on the same number of processes with the same sync_every")
-            self.outer_sync.load_state_dict(state)
-            load_replica_state(self.model, self.optimizers, state)
+            if state is None:  # a fully synchronous run's (or another number of processes'): one model, every replica's
+                rank_zero_info(f"{path} holds no outer state for this run: every replica and theta_outer start from its "
+                               f"weights, and the replicas synchronise every {self.sync_every} steps from here")
+                self.outer_sync.reset_outer()
+            else:
+                self.outer_sync.load_state_dict(state)
+                load_replica_state(self.model, self.optimizers, state)
         return metadata
 
     def _trainable_state(self, full: bool) -> dict[str, Any]:

@@ -123,6 +123,8 @@ def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dic
     if outcome["status"] == "failed":
         return {"method": name, "seed": seed, "failed": outcome["error"]}
     metrics = last_values(next(out.glob("lightning_logs/version_*/metrics.csv")))
+    if "val/loss" not in metrics:  # Lightning ends a run it got SIGTERM in with exit code 0, before the validation
+        return {"method": name, "seed": seed, "failed": "the run ended before its validation (stopped from outside?)"}
     record = {
         "method": name, "seed": seed, "wall_s": outcome["wall_s"],
         "val_loss": metrics["val/loss"], "val_ppl": metrics["val/ppl"], "train_loss": metrics["train/loss"],

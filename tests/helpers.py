@@ -117,17 +117,6 @@ def checkpoint_every(step: int, dirpath) -> dict:
     }
 
 
-def interrupted_and_whole_losses(tmp: Path, *args: str, stop: int = 3, steps: int = 6) -> tuple[list[float], list[float]]:
-    """Train losses of a run stopped after ``stop`` steps and resumed from its checkpoint (``--ckpt_path last``),
-    joined, and of the same run uninterrupted: equal when everything the run depends on is in the checkpoint."""
-    whole = fit(tmp / "whole", *args, steps=steps)
-    part, ckpts = tmp / "part", tmp / "ckpt"
-    first = fit(part, *args, steps=steps, callbacks=[checkpoint_every(stop, ckpts),
-                                                     {"class_path": "tests.probes.StopAtStep", "init_args": {"step": stop}}])
-    second = fit(part, *args, "--ckpt_path", "last", steps=steps, callbacks=[checkpoint_every(stop, ckpts)])
-    return first["train/loss"] + second["train/loss"], whole["train/loss"]
-
-
 def record(path) -> dict:
     return {"class_path": "tests.probes.RecordBatches", "init_args": {"path": str(path)}}
 

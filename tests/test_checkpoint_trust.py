@@ -11,7 +11,8 @@ import torch
 
 from lit_fsdp import checkpoints
 from tests.corpus import articles, write_lines
-from tests.helpers import REPO, checkpoint_every, fit, run_cli
+from tests.distributed import fit_in_process, run
+from tests.helpers import REPO, checkpoint_every, fit_arguments, read_metrics, run_cli
 
 
 class Touch:
@@ -101,17 +102,28 @@ KINDS = {
 }
 
 
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory) -> pathlib.Path:
+    """For each kind: 2 steps with a checkpoint at step 2, then resumed from it to step 3 (one spawn, the CLI in-process)."""
+    root = tmp_path_factory.mktemp("kinds")
+    arguments = []
+    for kind, extra in KINDS.items():
+        arguments += [fit_arguments(root / kind, *extra, steps=2, callbacks=[checkpoint_every(2, root / kind / "ckpt")]),
+                      fit_arguments(root / kind, *extra, "--ckpt_path", str(root / kind / "ckpt" / "last.ckpt"), steps=3)]
+    run(fit_in_process, root, arguments)
+    return root
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_checkpoints_of_every_kind_load_with_weights_only(tmp_path, kind):
+def test_checkpoints_of_every_kind_load_with_weights_only(kinds, kind, tmp_path):
     """Each is read by the CLI's checks, by the strategy that resumes from it and by export."""
     from transformers import AutoModelForCausalLM
 
     from lit_fsdp.commands.export import export_hf
 
-    ckpts = tmp_path / "ckpt"
-    fit(tmp_path, *KINDS[kind], steps=2, callbacks=[checkpoint_every(2, ckpts)])
+    ckpts = kinds / kind / "ckpt"
     assert checkpoints.inspect(ckpts / "last.ckpt").manifest["step"] == 2
-    resumed = fit(tmp_path, *KINDS[kind], "--ckpt_path", "last", steps=3, callbacks=[checkpoint_every(2, ckpts)])
+    resumed = read_metrics(kinds / kind / "lightning_logs" / "version_1" / "metrics.csv")
     assert len(resumed["train/loss"]) == 1  # step 3 only: it started from the checkpoint
     export_hf(str(ckpts / "last.ckpt"), str(tmp_path / "hf"))
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)

@@ -69,11 +69,28 @@ def local_estimate(config: dict, world: int, destination: int) -> torch.Tensor:
 
 # PowerSGD and Sketched-SGD bring their own communicators: tests/test_powersgd.py, tests/test_sketched_sgd.py;
 # 1-bit and 0/1 Adam's hooks compress momenta, not the gradient given: tests/test_onebit_adam.py, test_zero_one_adam.py
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("none", "powersgd", "sketch", "onebit_adam",
-                                                                   "zero_one_adam")])
-def test_every_method_reduce_scatters_exactly_the_rank_ordered_sum_of_decoded_payloads(tmp_path, method):
-    config = {"method": method, **({"ratio": 0.3} if method in ("topk", "randomk") else {})}
-    for rank, per_op in enumerate(run(both_ops, tmp_path, config)):
+REDUCE_SCATTERED = [m for m in METHODS if m not in ("none", "powersgd", "sketch", "onebit_adam", "zero_one_adam")]
+
+
+def method_config(method: str) -> dict:
+    return {"method": method, **({"ratio": 0.3} if method in ("topk", "randomk") else {})}
+
+
+def every_method_both_ops(rank: int, world: int) -> dict[str, list]:
+    return {method: both_ops(rank, world, method_config(method)) for method in REDUCE_SCATTERED}
+
+
+@pytest.fixture(scope="module")
+def reduce_scattered(tmp_path_factory) -> dict[str, list]:
+    """Every method's hook, AVG then SUM, one after another in one spawn of 2 processes: per method, per rank."""
+    ranks = run(every_method_both_ops, tmp_path_factory.mktemp("reduce_scatter"))
+    return {method: [r[method] for r in ranks] for method in REDUCE_SCATTERED}
+
+
+@pytest.mark.parametrize("method", REDUCE_SCATTERED)
+def test_every_method_reduce_scatters_exactly_the_rank_ordered_sum_of_decoded_payloads(reduce_scattered, method):
+    config = method_config(method)
+    for rank, per_op in enumerate(reduce_scattered[method]):
         expected = local_estimate(config, 2, rank)
         for (out, reference, stats), factor in zip(per_op, (1, 2)):  # AVG, then SUM = world x AVG
             torch.testing.assert_close(out, expected * factor, rtol=1e-6, atol=1e-6)
@@ -94,9 +111,19 @@ def all_reduce(rank: int, world: int, method: str) -> tuple[torch.Tensor, torch.
     return shard, sum(gradient(r, SHARD) for r in range(world)) / world
 
 
+def both_all_reduces(rank: int, world: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {method: all_reduce(rank, world, method) for method in ("fp16", "int8")}
+
+
+@pytest.fixture(scope="module")
+def all_reduced(tmp_path_factory) -> dict[str, list]:
+    ranks = run(both_all_reduces, tmp_path_factory.mktemp("all_reduce"))
+    return {method: [r[method] for r in ranks] for method in ("fp16", "int8")}
+
+
 @pytest.mark.parametrize("method", ["fp16", "int8"])  # a native all-reduce and an all-gather of payloads
-def test_replicate_all_reduce_averages_across_ranks(tmp_path, method):
-    results = run(all_reduce, tmp_path, method)
+def test_replicate_all_reduce_averages_across_ranks(all_reduced, method):
+    results = all_reduced[method]
     tolerance = 0.05 if method == "fp16" else 30.5 / 127  # int8: half a step of the spikes' scale, per rank
     for out, reference in results:
         torch.testing.assert_close(out, reference, rtol=0, atol=tolerance)

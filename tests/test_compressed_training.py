@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
 
 from compress.config import METHODS, CompressionConfig
-from tests.helpers import HIDDEN, INNER, LAYERS, REPO, fit, interrupted_and_whole_losses, payload_bytes
+from tests.distributed import fit_in_process, run
+from tests.helpers import HIDDEN, INNER, LAYERS, REPO, fit_arguments, payload_bytes, read_metrics
 
 METHOD_CONFIGS = sorted(p.stem for p in REPO.glob("configs/*.yaml") if "compression:" in p.read_text())
 ODD_VOCAB = ["--data.vocab_size", "509"]  # rows that do not divide by the world size: FSDP pads the shards
@@ -30,17 +32,6 @@ def config_method(config_name: str) -> str:
 STEPS = 5
 
 
-@pytest.fixture(scope="module")
-def baseline_losses(tmp_path_factory) -> list[float]:
-    """Train losses of the uncompressed method (``none``) on the runs' seed and data, once for the module."""
-    tmp = tmp_path_factory.mktemp("baseline")
-    return fit(tmp, "--config", str(REPO / "configs" / "baseline.yaml"), *ODD_VOCAB, steps=STEPS)["train/loss"]
-
-
-def test_method_none_is_bit_identical_to_no_hook(tmp_path, baseline_losses):
-    assert fit(tmp_path, *ODD_VOCAB, steps=STEPS)["train/loss"] == baseline_losses
-
-
 # PowerSGD's shipped config starts after 10 dense steps; these runs are 5 steps long
 EARLY_START = {"powersgd": ["--trainer.strategy.init_args.compression.start_step", "1"]}
 
@@ -48,7 +39,8 @@ EARLY_START = {"powersgd": ["--trainer.strategy.init_args.compression.start_step
 # Configs whose path another run here already takes (CI time): fp16 trains in the replicate tests below,
 # topk10_int8 is topk_int8 at another ratio, onebit and natural go through the same all-to-all as
 # signsgd and qsgd (every method's hook runs on 2 processes in test_communicator.py), thresholdv_density
-# trains in the resume test below, onebit_adam and zero_one_adam in tests/test_onebit_adam*.py and test_zero_one_adam.py.
+# resumes bit for bit in tests/test_exact_resume.py, onebit_adam and zero_one_adam train in tests/test_onebit_adam*.py and
+# test_zero_one_adam.py.
 SAME_PATH = {"fp16", "topk10_int8", "onebit", "natural", "thresholdv_density", "onebit_adam", "zero_one_adam"}
 
 
@@ -103,14 +95,48 @@ def implied_ratio(config: dict) -> float | None:
     return sum(4 * n for n in rows) / sum(payload_bytes(config, n, call=STEPS - 1) for n in rows)
 
 
-@pytest.mark.parametrize("config", [c for c in METHOD_CONFIGS if c != "baseline" and c not in SAME_PATH])
-def test_each_method_tracks_the_uncompressed_loss_and_sends_what_its_config_implies(tmp_path, config, baseline_losses):
-    metrics = fit(tmp_path, "--config", str(REPO / "configs" / f"{config}.yaml"), *ODD_VOCAB,
-                  *EARLY_START.get(config, []), steps=STEPS, callbacks=STATS)
+TRACKED = [c for c in METHOD_CONFIGS if c != "baseline" and c not in SAME_PATH]
+# The strategy's wiring of the replicate all-reduce hook; every method's hook on these meshes (3 NO_SHARD replicas,
+# HYBRID_SHARD 2 x 2) is in tests/test_replicas.py, and the native-sum path (fp16) trains in test_communicator.py.
+REPLICATE_PATHS = [("NO_SHARD", "int8"), ("HYBRID_SHARD", "int8"), ("NO_SHARD", "powersgd")]
+
+
+def config_arguments(config: str) -> list[str]:
+    return ["--config", str(REPO / "configs" / f"{config}.yaml"), *ODD_VOCAB, *EARLY_START.get(config, [])]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Every run of this module, 5 steps each, one after another in one spawn of 2 processes (the CLI in-process):
+    ``baseline`` (method none), ``no_hook``, each tracked config, and the replicate paths."""
+    root = tmp_path_factory.mktemp("methods")
+    arguments = [fit_arguments(root / "baseline", *config_arguments("baseline"), steps=STEPS),
+                 fit_arguments(root / "no_hook", *ODD_VOCAB, steps=STEPS)]
+    arguments += [fit_arguments(root / config, *config_arguments(config), steps=STEPS, callbacks=STATS) for config in TRACKED]
+    arguments += [fit_arguments(root / f"{sharding}-{method}", *config_arguments(method),
+                                "--trainer.strategy.init_args.sharding", sharding,
+                                *(["--trainer.strategy.init_args.replicate_size", "2"] if sharding == "HYBRID_SHARD" else []),
+                                steps=STEPS, callbacks=STATS)
+                  for sharding, method in REPLICATE_PATHS]
+    run(fit_in_process, root, arguments)
+    return root
+
+
+def metrics_of(folder: Path) -> dict[str, list[float]]:
+    return read_metrics(max(folder.glob("lightning_logs/version_*/metrics.csv")))
+
+
+def test_method_none_is_bit_identical_to_no_hook(runs):
+    assert metrics_of(runs / "no_hook")["train/loss"] == metrics_of(runs / "baseline")["train/loss"]
+
+
+@pytest.mark.parametrize("config", TRACKED)
+def test_each_method_tracks_the_uncompressed_loss_and_sends_what_its_config_implies(runs, config):
+    metrics = metrics_of(runs / config)
     losses = metrics["train/loss"]
     assert all(math.isfinite(loss) for loss in losses) and len(losses) == STEPS
-    assert losses[-1] == pytest.approx(baseline_losses[-1], abs=LOSS_TOLERANCE[config])
-    assert json.loads((tmp_path / "compression.json").read_text())["nonfinite"] == 0
+    assert losses[-1] == pytest.approx(metrics_of(runs / "baseline")["train/loss"][-1], abs=LOSS_TOLERANCE[config])
+    assert json.loads((runs / config / "compression.json").read_text())["nonfinite"] == 0
     assert metrics["compress/numel"][-1] == sum(math.prod(padded(shape)) for unit in UNITS for shape in unit)  # UNITS is right
     shipped = yaml.safe_load((REPO / "configs" / f"{config}.yaml").read_text())["trainer"]["strategy"]["init_args"]
     implied = implied_ratio(shipped["compression"])
@@ -118,30 +144,9 @@ def test_each_method_tracks_the_uncompressed_loss_and_sends_what_its_config_impl
         assert metrics["compress/ratio_vs_fp32"][-1] == pytest.approx(implied, rel=0.1)
 
 
-# The strategy's wiring of the replicate all-reduce hook; every method's hook on these meshes (3 NO_SHARD replicas,
-# HYBRID_SHARD 2 x 2) is in tests/test_replicas.py, and the native-sum path (fp16) trains in test_communicator.py.
-@pytest.mark.parametrize("sharding, method", [("NO_SHARD", "int8"), ("HYBRID_SHARD", "int8"), ("NO_SHARD", "powersgd")])
-def test_replicate_paths_train_and_compress(tmp_path, sharding, method):
-    metrics = fit(
-        tmp_path, "--config", str(REPO / "configs" / f"{method}.yaml"), *ODD_VOCAB, *EARLY_START.get(method, []),
-        "--trainer.strategy.init_args.sharding", sharding,
-        *(["--trainer.strategy.init_args.replicate_size", "2"] if sharding == "HYBRID_SHARD" else []),
-        steps=5, callbacks=STATS,
-    )
+@pytest.mark.parametrize("sharding, method", REPLICATE_PATHS)
+def test_replicate_paths_train_and_compress(runs, sharding, method):
+    metrics = metrics_of(runs / f"{sharding}-{method}")
     losses = metrics["train/loss"]
     assert losses[-1] < losses[0]
     assert metrics["compress/bytes_sent"][-1] > 0  # the replicate all-reduce went through the hook
-
-
-@pytest.mark.parametrize(
-    "compression",
-    # top-k's residuals resume as int8's do; 1-bit Adam's resume is in tests/test_onebit_adam_runs.py
-    ["{method: int8, num_bits: 2, error_feedback: true}",
-     "{method: powersgd, rank: 2, start_step: 1}", "{method: thresholdv, density: 0.01, error_feedback: true}"],
-    ids=["int8+EF", "powersgd", "thresholdv-density+EF"],
-)
-def test_compressed_resume_at_step_3_of_6_equals_the_uninterrupted_run(tmp_path, compression):
-    """Residuals, warm starts and seed counters are in the checkpoint: the resumed run compresses as the whole one."""
-    knob = ["--trainer.strategy.init_args.compression", compression]
-    resumed, whole = interrupted_and_whole_losses(tmp_path, *knob)
-    assert resumed == pytest.approx(whole, rel=1e-5, abs=1e-6)

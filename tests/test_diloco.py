@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -18,8 +17,8 @@ from compress.config import CompressionConfig
 from lit_fsdp.diloco import OuterConfig, OuterSync
 from lit_fsdp.strategy import FSDP2Strategy
 from lit_fsdp.errors import OneLineError
-from tests.distributed import run
-from tests.helpers import REPO, fit_arguments, read_metrics, run_cli
+from tests.distributed import fit_in_process, run
+from tests.helpers import REPO, checkpoint_every, fit_arguments, read_metrics, run_cli
 
 SHAPES = [(6, 5), (5,), (5, 6)]
 H, STEPS = 3, 7
@@ -185,23 +184,13 @@ class DigestsAfterSteps(pl.Callback):
         Path(f"{self.path}.rank{trainer.global_rank}").write_text(json.dumps(self.steps))
 
 
-def _fit_in_process(rank: int, world: int, arguments: list[str]) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))  # Lightning launches no process
-    from lit_fsdp import checkpoints
-    from lit_fsdp.commands.cli import run as cli
-
-    if rank:  # the preflight's write probe has one name per folder: rank 0's
-        checkpoints.check_writable = lambda folder, flag: None
-    cli(arguments)
-
-
 def test_three_replicas_of_a_run_are_bit_identical_right_after_each_synchronisation(tmp_path):
     """NO_SHARD on 3 processes, each its own replica on its own data, int8 at 4 bits, a synchronisation every 3 steps."""
     probe = {"class_path": f"{__name__}.DigestsAfterSteps", "init_args": {"path": str(tmp_path / "digests")}}
     arguments = fit_arguments(tmp_path, "--config", str(REPO / "configs" / "diloco.yaml"), f"{STRATEGY}.sync_every", "3",
                               "--trainer.devices", "3", steps=7,
                               callbacks=[probe, *RECORDS])
-    run(_fit_in_process, tmp_path, arguments, world=3)
+    run(fit_in_process, tmp_path, [arguments], world=3)
     ranks = [json.loads(Path(f"{tmp_path / 'digests'}.rank{r}").read_text()) for r in range(3)]
     for step in ("3", "6"):
         assert ranks[0][step] == ranks[1][step] == ranks[2][step], f"replicas differ after the synchronisation at {step}"
@@ -214,22 +203,75 @@ def test_three_replicas_of_a_run_are_bit_identical_right_after_each_synchronisat
     assert record["compression_ratio"] == pytest.approx(7 / 2 * (4 / 3 * 4) / (2 * (0.5 + 4 / 1024)), rel=0.02)
 
 
+
+def test_hybrid_shard_trains_fsdp2_inside_each_replica_group_and_synchronises_the_groups(tmp_path):
+    """HYBRID_SHARD 2 x 2 on 4 processes: ranks 0, 1 are replica 0's two shards, ranks 2, 3 replica 1's. Inner steps
+    reduce inside a group only, so the groups differ between synchronisations; right after one, each shard equals the
+    same shard of the other group."""
+    probe = {"class_path": f"{__name__}.DigestsAfterSteps", "init_args": {"path": str(tmp_path / "digests")}}
+    arguments = fit_arguments(tmp_path, "--config", str(REPO / "configs" / "diloco.yaml"), f"{STRATEGY}.sync_every", "3",
+                              f"{STRATEGY}.sharding", "HYBRID_SHARD", f"{STRATEGY}.replicate_size", "2",
+                              "--trainer.devices", "4", steps=4, callbacks=[probe, *RECORDS])
+    run(fit_in_process, tmp_path, [arguments], world=4)
+    ranks = [json.loads(Path(f"{tmp_path / 'digests'}.rank{r}").read_text()) for r in range(4)]
+    assert ranks[0]["3"] == ranks[2]["3"] and ranks[1]["3"] == ranks[3]["3"], "the groups differ after the synchronisation"
+    assert ranks[0]["3"] != ranks[1]["3"]  # each rank holds its own shard
+    for step in ("1", "2", "4"):
+        assert ranks[0][step] != ranks[2][step] and ranks[1][step] != ranks[3][step]
+    record = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
+    assert record["strategy"] == "fsdp2_hybrid_shard_diloco3" and record["outer_syncs"] == 1
+
 CONFIGS = ("diloco.yaml", "diloco_streaming.yaml")
 
 
-def _fit_each(rank: int, world: int, runs: list[list[str]]) -> None:
-    for arguments in runs:
-        _fit_in_process(rank, world, arguments)
+class WeightsAndOuter(pl.Callback):
+    """Writes ``<path>.rank<r>``: each parameter's float64 sum when training starts and ends, and whether theta_outer
+    equals the weights when it starts."""
+
+    def __init__(self, path: str):
+        self.path, self.record = path, {}
+
+    @staticmethod
+    def sums(pl_module) -> list[float]:
+        return [float(p.full_tensor().double().sum()) for p in pl_module.model.parameters()]
+
+    def on_train_start(self, trainer, pl_module):
+        sync = getattr(trainer.strategy, "outer_sync", None)
+        self.record = {"start": self.sums(pl_module), "outer_is_weights": None if sync is None else all(
+            torch.equal(f.outer, f.local_flat(f.outer.device)) for f in sync.fragments)}
+
+    def on_train_end(self, trainer, pl_module):
+        Path(f"{self.path}.rank{trainer.global_rank}").write_text(json.dumps({**self.record, "end": self.sums(pl_module)}))
 
 
 @pytest.fixture(scope="module")
 def config_runs(tmp_path_factory) -> Path:
-    """Both configs, 8 steps each with a synchronisation every 4, on 2 processes (one spawn, the CLI in-process)."""
+    """Both configs, 8 steps each with a synchronisation every 4, on 2 processes; then a fully synchronous run of 3
+    steps (FULL_SHARD) continued by ``configs/diloco.yaml`` to step 7 (one spawn, the CLI in-process)."""
     root = tmp_path_factory.mktemp("configs")
     runs = [fit_arguments(root / config, "--config", str(REPO / "configs" / config), f"{STRATEGY}.sync_every", "4",
                           steps=8, callbacks=RECORDS) for config in CONFIGS]
-    run(_fit_each, root, runs)
+    probe = {"class_path": f"{__name__}.WeightsAndOuter"}
+    runs.append(fit_arguments(root / "synchronous", steps=3, callbacks=[
+        checkpoint_every(3, root / "synchronous" / "checkpoints"),
+        {**probe, "init_args": {"path": str(root / "synchronous" / "weights")}}]))
+    runs.append(fit_arguments(root / "continued", "--config", str(REPO / "configs" / "diloco.yaml"),
+                              f"{STRATEGY}.sync_every", "2", "--ckpt_path", str(root / "synchronous" / "checkpoints" / "last.ckpt"),
+                              steps=7, callbacks=[{**probe, "init_args": {"path": str(root / "continued" / "weights")}}, *RECORDS]))
+    run(fit_in_process, root, runs)
     return root
+
+
+def test_a_fully_synchronous_checkpoint_continues_semi_synchronously_from_its_weights(config_runs):
+    """Every replica and theta_outer start from the checkpoint's weights; the replicas synchronise every 2 steps
+    from there (after steps 5 and 7)."""
+    for rank in range(2):
+        synchronous = json.loads((config_runs / "synchronous" / f"weights.rank{rank}").read_text())
+        continued = json.loads((config_runs / "continued" / f"weights.rank{rank}").read_text())
+        assert continued["start"] == synchronous["end"] and continued["outer_is_weights"]
+        assert continued["end"] != continued["start"]
+    record = json.loads((config_runs / "continued" / "results.jsonl").read_text().splitlines()[-1])
+    assert record["outer_syncs"] == 2 and record["strategy"] == "fsdp2_no_shard_diloco2"
 
 
 @pytest.mark.parametrize("config", CONFIGS)

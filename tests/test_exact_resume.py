@@ -16,7 +16,6 @@ import csv
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -24,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from tests.distributed import run
+from tests.distributed import in_process_cli, run
 from tests.helpers import REPO, fit_arguments
 
 KNOB = "--trainer.strategy.init_args.compression"
@@ -42,6 +41,7 @@ DILOCO = ["--trainer.strategy.init_args.sharding", "NO_SHARD", "--trainer.strate
 CASES = {
     "none": ([], 6, (3,)),
     "topk+ef": (configured("topk"), 6, (3,)),
+    "int8+ef": ([KNOB, "{method: int8, num_bits: 2, error_feedback: true}"], 6, (3,)),  # a quantiser's residuals
     "randomk+ef": (configured("randomk_ef"), 6, (3,)),
     "thresholdv+density": (configured("thresholdv_density"), 6, (3,)),
     "dgc": (configured("dgc", warmup_steps=6), 6, (3,)),  # resumed inside the density warm-up
@@ -90,13 +90,7 @@ def checkpoint_callback(folder: Path, every: int, save_last: bool = False) -> di
 
 def run_every_case(rank: int, world: int, root: Path) -> None:
     """On each rank, every case's runs through the CLI, in the same order on both ranks."""
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))  # Lightning launches no process
-    from lit_fsdp import checkpoints
-    from lit_fsdp.commands.cli import run as cli
-
-    if rank:  # both ranks run the preflight at once here, and its write probe has one name per folder: rank 0's
-        checkpoints.check_writable = lambda folder, flag: None  # (a launched run's first rank probes before the others)
-
+    cli = in_process_cli(rank, world)
     for name, (extra, steps, resume_at) in CASES.items():
         case = root / name
         saved = checkpoint_callback(case / "whole" / "ckpt", math.gcd(*resume_at))

@@ -27,7 +27,7 @@ from lit_fsdp import lora
 from lit_fsdp.errors import OneLineError, RunError
 from lit_fsdp.model import CausalLM
 from lit_fsdp.presets import build_config
-from tests.distributed import run
+from tests.distributed import in_process_cli, run
 from tests.helpers import REPO, CPUStrategy, batch, fit_arguments, loss_of, read_metrics, run_cli, sharded_model
 from tests.probes import SaveLogits
 
@@ -352,13 +352,9 @@ FULL_FILE = ["--trainer.strategy.init_args.save_distributed_checkpoint", "false"
 
 def fine_tune(rank: int, world: int, root: Path, base: Path, other_base: Path) -> dict[str, str]:
     """Every CLI run, in the same order on both ranks; returns the one-line refusals of the runs that must fail."""
-    from lit_fsdp import checkpoints
-    from lit_fsdp.commands.cli import run as cli
     from lit_fsdp.errors import error_line
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))  # Lightning launches no process
-    if rank:  # both ranks run the preflight at once here, and its write probe has one name per folder: rank 0's
-        checkpoints.check_writable = lambda folder, flag: None
+    cli = in_process_cli(rank, world)
     logits = {"class_path": "tests.probes.SaveLogits", "init_args": {"path": str(root / "logits.pt")}}
     cli(arguments(root / "whole", base, callbacks=[saved_every(STOP, root / "ckpt"), logits]))
     middle = str(next((root / "ckpt").glob(f"*-step={STOP}.ckpt")))

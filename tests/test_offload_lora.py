@@ -28,7 +28,7 @@ from lit_fsdp.lora import adapter_parameters
 from lit_fsdp.presets import build_config
 from offload.host_memory import RUNTIME_BYTES_PER_PROCESS
 from offload.transfers import EMULATED_DELAY_VARIABLE
-from tests.distributed import run
+from tests.distributed import in_process_cli, run
 from tests.helpers import REPO, fit_arguments, read_metrics
 
 STEPS, STOP = 4, 2
@@ -49,13 +49,9 @@ def arguments(folder: Path, base: Path, *extra: str, callbacks: list[dict] = ())
 
 def fine_tune(rank: int, world: int, root: Path) -> str:
     """Every run, in the same order on both ranks; returns the refusal of a resume on another base."""
-    from lit_fsdp import checkpoints
-    from lit_fsdp.commands.cli import run as cli
     from lit_fsdp.errors import error_line
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))  # Lightning launches no process
-    if rank:  # both ranks run the preflight at once here, and its write probe has one name per folder: rank 0's
-        checkpoints.check_writable = lambda folder, flag: None
+    cli = in_process_cli(rank, world)
     cli(arguments(root / "fsdp2", root / "base"))
     os.environ[EMULATED_DELAY_VARIABLE] = "3"  # SlideFSDP's copies on threads, after random delays (offload.transfers)
     saved = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",

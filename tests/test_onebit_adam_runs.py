@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import REPO, fit, interrupted_and_whole_losses
+from tests.helpers import REPO, fit
 
 KNOB = "--trainer.strategy.init_args.compression"
 
@@ -15,15 +15,7 @@ def test_the_warm_up_reproduces_fsdp2s_own_reduce_scatter_bit_for_bit(tmp_path):
     assert onebit["train/loss"][:5] == plain["train/loss"][:5]  # 4 AdamW steps, then the loss they lead to
 
 
-def test_resume_at_step_3_of_6_after_the_freeze_equals_the_uninterrupted_run(tmp_path):
-    """Local momenta, residuals, the carried momentum and the phase (the optimizer's step count: a resumed run that
-    lost it would reduce uncompressed gradients and take AdamW steps) come back from a sharded checkpoint."""
-    knob = [KNOB, "{method: onebit_adam, freeze_step: 2}"]
-    resumed, whole = interrupted_and_whole_losses(tmp_path, *knob)
-    assert resumed == pytest.approx(whole, rel=1e-5, abs=1e-6)
-
-
-# The reduce-scatter path (FULL_SHARD; SHARD_GRAD_OP's is the same) trains in the resume test above; every
+# The reduce-scatter path (FULL_SHARD) trains and resumes bit for bit in tests/test_exact_resume.py; every
 # sharding's hooks, HYBRID_SHARD 2 x 2 and NO_SHARD on 3 processes, in tests/test_replicas.py.
 def test_the_replicate_path_trains_through_the_freeze_with_accumulation_and_clipping(tmp_path):
     metrics = fit(

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -15,7 +14,7 @@ from compress.communicator import CommStats
 from compress.config import CompressionConfig
 from compress.param_gather import QuantizedAllGather
 from tests.distributed import run
-from tests.helpers import REPO, fit
+from tests.helpers import fit
 
 
 def sharded_forward(rank: int, world: int) -> dict:

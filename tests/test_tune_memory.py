@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
+from compress.config import CompressionConfig
+from lit_fsdp.diloco import OuterConfig
 from lit_fsdp.presets import build_config
 from lit_fsdp.commands.tune.hardware import Hardware
 from lit_fsdp.commands.tune.memory import GIB, MemoryFilter, ModelShape, estimate
@@ -109,3 +112,19 @@ def test_the_filter_rejects_offloaded_state_that_does_not_fit_in_host_memory():
     assert math.isclose(memory.estimate(slide).host_per_node / GIB, needed, rel_tol=1e-9)
     assert "of host memory per node for offloaded state" in memory.rejection(slide)
     assert memory.rejection(Candidate(micro_batch=8)) is None
+
+
+def test_semi_synchronous_training_counts_the_outer_state_of_each_processs_shard_where_it_is_kept():
+    """theta_outer and momentum (8 B), a 4-bit codec's error-feedback residual (4 B) per trained parameter of the
+    process's shard, and one of 2 fragments' pseudo-gradient in flight (4 B over 2): on the host by default."""
+    hybrid = Candidate(sharding="HYBRID_SHARD", replicate_size=2, micro_batch=1)
+    plain = estimate(hybrid, TINY, run_shape(world=4))
+    codec = CompressionConfig(method="int8", num_bits=4, error_feedback=True)
+    shard = -(-TINY.trained // 2)
+    on_host = estimate(hybrid, TINY, replace(run_shape(world=4), outer=OuterConfig(codec=codec, fragments=2)))
+    assert on_host.host_per_node - plain.host_per_node == 4 * (12 * shard + 4 * -(-shard // 2))
+    assert on_host.outer_state == 0 and on_host.model_states == plain.model_states
+    on_device = estimate(hybrid, TINY, replace(run_shape(world=4, accelerator="cuda"),
+                                               outer=OuterConfig(codec=codec, fragments=2, state_device="device")))
+    assert on_device.outer_state == 12 * shard + 4 * -(-shard // 2) and on_device.host_per_node == 0
+    assert on_device.device_total - estimate(hybrid, TINY, run_shape(world=4, accelerator="cuda")).device_total == on_device.outer_state

@@ -135,7 +135,8 @@ def run_shape(trainer: pl.Trainer, module: Any, data: Any, hardware: Hardware) -
                    seq_len=data.seq_len, batch_per_process=data.batch_size * trainer.accumulate_grad_batches,
                    clipping=bool(trainer.gradient_clip_val),
                    loss_chunk_tokens=getattr(module.hparams, "loss_chunk_tokens", 0),
-                   optimizer_state_dtype=getattr(trainer.strategy, "optimizer_state_dtype", "float32"))
+                   optimizer_state_dtype=getattr(trainer.strategy, "optimizer_state_dtype", "float32"),
+                   outer=trainer.strategy.outer if getattr(trainer.strategy, "sync_every", 0) else None)
     if accelerator != hardware.accelerator:
         raise ValueError(f"the configs train on {accelerator} but the hardware is {hardware.accelerator}; "
                          "fix --trainer.accelerator or the hardware file's accelerator")

@@ -31,6 +31,9 @@ r = 4 bytes per reduced gradient value):
   velocities; PowerSGD about 4, Sketched-SGD 4, methods without error feedback 0), plus c x P / shard
   group for the replicate all-reduce of NO_SHARD and HYBRID_SHARD. The payload buffers of one unit's
   collective are not counted.
+- **outer state** (semi-synchronous training, ``sync_every``): theta_outer and the outer momentum in float32 for the
+  process's shard of the trained parameters, its error-feedback residual and one fragment's pseudo-gradient in flight
+  (``lit_fsdp.diloco.outer_state_bytes``): on the device with ``outer.state_device: device``, else on the host.
 - **overhead**: a constant calibrated from one measured trial (CUDA context, allocator caches; on a
   CPU the whole process: interpreter, libraries, data): measured peak minus the analytic sum.
 
@@ -50,6 +53,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from lit_fsdp.diloco import outer_state_bytes
 from lit_fsdp.flops import matmul_shape
 from lit_fsdp.lora import LoraConfig, adapted, as_config, attach
 from lit_fsdp.loss import loss_bytes
@@ -137,18 +141,20 @@ class MemoryEstimate:
     host_per_node: int
     host_share: int  # the process's part of ``host_per_node`` when the device is the host (CPU), else 0
     compression: int = 0  # the gradient compressor's state (error-feedback residuals, PowerSGD's, Sketched-SGD's)
+    outer_state: int = 0  # semi-synchronous training's outer state, when it is kept on the device
 
     @property
     def analytic(self) -> int:
-        return self.model_states + self.working_set + self.activations + self.logits + self.host_share + self.compression
+        return (self.model_states + self.working_set + self.activations + self.logits + self.host_share + self.compression
+                + self.outer_state)
 
     @property
     def device_total(self) -> int:
         return self.analytic + self.overhead
 
     def parts_gb(self) -> dict[str, float]:
-        parts = ("model_states", "compression", "working_set", "activations", "logits", "overhead", "host_share",
-                 "host_per_node")
+        parts = ("model_states", "compression", "outer_state", "working_set", "activations", "logits", "overhead",
+                 "host_share", "host_per_node")
         return {name: round(getattr(self, name) / GIB, 4) for name in parts} | {"device_total": round(self.device_total / GIB, 4)}
 
 
@@ -203,6 +209,7 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
     p = dtype.itemsize
     activations, offloaded_activations = activation_bytes(candidate, model, run, p)
     root = model.root_parameters
+    outer_on_device = 0
     if candidate.strategy == "slide_fsdp":
         states = 0
         working = ((candidate.window * model.block_parameters + root) * p
@@ -226,10 +233,16 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
         working = (gathered + root) * p + unit_gradients * (p + REDUCE_BYTES)
         host = states * run.processes_per_node if candidate.cpu_offload else 0
         states = 0 if candidate.cpu_offload else states
+        if run.outer is not None:
+            outer = outer_state_bytes(run.outer, -(-model.trained // shard_group(candidate, run.world_size)))
+            if run.outer.state_device == "cpu":
+                host += outer * run.processes_per_node
+            else:
+                outer_on_device = outer
     logits = loss_bytes(candidate.micro_batch * run.seq_len, model.vocab, model.hidden, p, run.loss_chunk_tokens)
     host_share = host // run.processes_per_node if run.accelerator == "cpu" else 0
     compression = compression_bytes(candidate, model, run, base_compression)
-    return MemoryEstimate(states, working, activations, logits, overhead, host, host_share, compression)
+    return MemoryEstimate(states, working, activations, logits, overhead, host, host_share, compression, outer_on_device)
 
 
 class MemoryFilter:

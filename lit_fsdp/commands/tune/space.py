@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from compress.config import METHODS, CompressionConfig
+from lit_fsdp.diloco import OuterConfig
 from lit_fsdp.strategy import DType, Sharding
 from offload.strategy import SlideFSDPStrategy
 
@@ -43,6 +44,7 @@ class RunShape:
     clipping: bool
     loss_chunk_tokens: int = 0  # the model's chunked loss (lit_fsdp.loss); 0: the plain loss
     optimizer_state_dtype: str = "float32"  # SlideFSDP's AdamW moments on the host (the configs' SlideFSDP knob)
+    outer: OuterConfig | None = None  # semi-synchronous training's outer step (the configs' sync_every > 0)
 
     @property
     def processes_per_node(self) -> int:
