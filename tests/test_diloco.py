@@ -258,8 +258,20 @@ def config_runs(tmp_path_factory) -> Path:
     runs.append(fit_arguments(root / "continued", "--config", str(REPO / "configs" / "diloco.yaml"),
                               f"{STRATEGY}.sync_every", "2", "--ckpt_path", str(root / "synchronous" / "checkpoints" / "last.ckpt"),
                               steps=7, callbacks=[{**probe, "init_args": {"path": str(root / "continued" / "weights")}}, *RECORDS]))
+    runs.append(fit_arguments(root / "device_state", "--config", str(REPO / "configs" / "diloco.yaml"),
+                              f"{STRATEGY}.sync_every", "4", f"{STRATEGY}.outer", "{state_device: device}", steps=8,
+                              callbacks=[{**probe, "init_args": {"path": str(root / "device_state" / "weights")}}, *RECORDS]))
     run(fit_in_process, root, runs)
     return root
+
+
+def test_the_outer_state_on_the_device_exchanges_in_line_over_the_meshs_replicate_group(config_runs):
+    """``state_device: device`` (on CPU processes the device is the host, so this checks the group and the in-line
+    exchange, not CUDA): synchronised at steps 4 and 8, the replicas end identical."""
+    ends = [json.loads((config_runs / "device_state" / f"weights.rank{rank}").read_text())["end"] for rank in range(2)]
+    assert ends[0] == ends[1]
+    record = json.loads((config_runs / "device_state" / "results.jsonl").read_text().splitlines()[-1])
+    assert record["outer"]["state_device"] == "device" and record["outer_syncs"] == 2 and not record["outer_wait_s"]
 
 
 def test_a_fully_synchronous_checkpoint_continues_semi_synchronously_from_its_weights(config_runs):
