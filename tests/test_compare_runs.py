@@ -158,3 +158,16 @@ def test_a_wandb_run_becomes_a_results_record():
     assert record["history"] == [{"step": 1, "wall_s": 2.0, "train_loss": 6.1}, {"step": 3, "wall_s": 5.0, "val_loss": 5.9}]
     crashed = compare_runs.wandb_record(SimpleNamespace(**{**vars(run), "state": "crashed"}))
     assert crashed["status"] == "failed" and "crashed" in crashed["error"]
+
+
+def test_a_sweep_run_keeps_the_callbacks_its_configs_list_or_append(tmp_path):
+    """As the CLI reads them: ``callbacks+`` (configs/offload.yaml's OffloadStats) appends to the standard list, or to
+    the list an earlier config gave; ``callbacks`` replaces it. compare_runs' four are added where missing."""
+    names = lambda configs: [e["class_path"] for e in sweep_script.run_callbacks(configs, "run", {})]  # noqa: E731
+    appended = names([REPO / "configs" / "quickstart.yaml", REPO / "configs" / "offload.yaml"])
+    assert appended[0] == "lightning.pytorch.callbacks.ModelCheckpoint" and "callbacks.OffloadStats" in appended
+    own = tmp_path / "own.yaml"
+    own.write_text("trainer:\n  callbacks:\n    - class_path: callbacks.Memory\n")
+    assert names([own, REPO / "configs" / "offload.yaml"]) == [
+        "callbacks.Memory", "callbacks.OffloadStats", "callbacks.Results", "callbacks.Quality", "callbacks.Throughput",
+        "callbacks.CompressionStats"]

@@ -60,11 +60,24 @@ def _last(configs: Sequence[Path], *keys: str) -> Any:
     return found
 
 
+def configured_callbacks(configs: Sequence[Path]) -> list[Any]:
+    """The callbacks the configs give, read as the CLI reads them in order: ``trainer.callbacks`` replaces the list,
+    ``trainer.callbacks+`` appends to it (to the CLI's standard list where no config gave one)."""
+    listed: list[Any] | None = None
+    for config in configs:
+        trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {}
+        if trainer.get("callbacks") is not None:
+            listed = list(trainer["callbacks"])
+        appended = trainer.get("callbacks+")
+        if appended is not None:
+            listed = [*(CALLBACKS if listed is None else listed), *(appended if isinstance(appended, list) else [appended])]
+    return list(CALLBACKS) if listed is None else listed
+
+
 def run_callbacks(configs: Sequence[Path], run_name: str, quality: dict[str, float]) -> list[dict[str, Any]]:
-    """The configs' callbacks (the CLI's standard list where they name none) plus what compare_runs reads: Results (with
-    ``run_name``), Quality, Throughput, CompressionStats."""
-    listed = _last(configs, "trainer", "callbacks")
-    entries = [{"class_path": c} if isinstance(c, str) else dict(c) for c in (CALLBACKS if listed is None else listed)]
+    """The configs' callbacks (``configured_callbacks``) plus what compare_runs reads: Results (with ``run_name``),
+    Quality, Throughput, CompressionStats."""
+    entries = [{"class_path": c} if isinstance(c, str) else dict(c) for c in configured_callbacks(configs)]
     for class_path, init_args in (
         ("callbacks.Results", {"run_name": run_name}), ("callbacks.Quality", quality),
         ("callbacks.Throughput", {}), ("callbacks.CompressionStats", {}),
