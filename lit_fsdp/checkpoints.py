@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import shutil
+import socket
 import time
 import zipfile
 from dataclasses import dataclass
@@ -285,8 +286,9 @@ def resolve(ckpt_path: str | None, folder: Path) -> tuple[str | None, dict[str, 
 
 
 def check_writable(folder: Path, flag: str) -> None:
-    """Fail in one line now, not after hours of training, if ``folder`` cannot be created and written."""
-    probe = folder / ".lit_fsdp_write_test"
+    """Fail in one line now, not after hours of training, if ``folder`` cannot be created and written. The probe
+    file is named for this host and process: every rank (and every node on a shared file system) probes at once."""
+    probe = folder / f".lit_fsdp_write_test.{socket.gethostname()}.{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_text("ok")
