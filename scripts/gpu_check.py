@@ -567,6 +567,19 @@ def step_sft(record: Record, device: str, work: Path) -> None:
             raise RuntimeError(f"{config}: the loss did not fall ({losses[0]:.4f} to {losses[-1]:.4f})")
 
 
+def step_eight_b_lora(record: Record, device: str, work: Path) -> None:
+    """LoRA rank 16 on the 8B under SlideFSDP (issue 29): the frozen base once on the host in bfloat16, the adapters'
+    master and moments on the host AdamW, 4 steps; compare the host and device peaks with ``estimate``'s 22.5 and
+    8.6 GiB (docs/finetuning.md)."""
+    overrides = _shape(device, "llama-8b", 32 if device == "cuda" else 2, 2048, 8)
+    overrides["model"]["lora"] = {"rank": 16, "alpha": 32}
+    overrides["trainer"] = {**_accelerator(device), "gradient_clip_val": None,
+                            "strategy": _offload_strategy(device, "bfloat16" if device == "cuda" else "float32")}
+    config = _yaml(work / "eight_b_lora_shape.yaml", overrides)
+    run = _fit("eight_b_lora", work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(config)], record, 4)
+    record.put(summary=_figures(run["result"]))
+
+
 STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
     "probe": (step_probe, 75),
     "cuda_tests": (step_cuda_tests, 70),
@@ -584,9 +597,10 @@ STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
     "resume_export": (step_resume_export, 120),
     "tune": (step_tune, 300),
     "sft": (step_sft, 170),
+    "eight_b_lora": (step_eight_b_lora, 200),
 }
 FIRST = ("probe", "cuda_tests", "slide_fsdp", "parity", "fsdp2_1b", "eight_b", "onebit", "codecs", "fsdp2_1b_no_ac")
-REQUIRES = {"eight_b": "slide_fsdp", "eight_b_fp32": "slide_fsdp"}  # run only if that step passed, when it ran too
+REQUIRES = {"eight_b": "slide_fsdp", "eight_b_fp32": "slide_fsdp", "eight_b_lora": "slide_fsdp"}  # run only if that step passed, when it ran too
 
 
 # --- driver --------------------------------------------------------------------------------------------
