@@ -62,6 +62,8 @@ CASES = {
                10, (6,)),
     "diloco_streaming": (DILOCO + ["--trainer.strategy.init_args.outer",
                                    "{fragments: 2, delay: 1, mix: 0.5, codec: {method: int8, num_bits: 4}}"], 10, (6,)),
+    # LoRA's adapters are what trains, and what the replicas exchange; the checkpoint holds them only
+    "diloco_lora": (DILOCO + ["--model.lora", "{rank: 4, alpha: 8}"], 10, (6,)),
 }
 
 
