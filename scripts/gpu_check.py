@@ -418,13 +418,19 @@ def step_fsdp2_1b_no_ac(record: Record, device: str, work: Path) -> None:
 def step_8b(record: Record, device: str, work: Path) -> None:
     """The full 8B of configs/llama_8b_offload.yaml with bfloat16 moments, 4 steps; the watchdog ends it before the
     host runs out of memory, and a run cut by its deadline still reports set-up time, steps done and steps/s."""
-    layers = 32 if device == "cuda" else 2
-    overrides = _shape(device, "llama-8b", layers, 2048, 8)
+    _eight_b("eight_b", record, device, work, optimizer_state_dtype="bfloat16")
+
+
+def _eight_b(name: str, record: Record, device: str, work: Path, model: dict[str, Any] | None = None,
+             **knobs: Any) -> None:
+    """4 steps of configs/llama_8b_offload.yaml's 8B (llama-tiny on CPU) under SlideFSDP, bfloat16 on the device,
+    with ``model`` settings and the strategy's ``knobs`` added; its figures in the record."""
+    overrides = _shape(device, "llama-8b", 32 if device == "cuda" else 2, 2048, 8)
+    overrides["model"].update(model or {})
     overrides["trainer"] = {**_accelerator(device), "gradient_clip_val": None,
-                            "strategy": _offload_strategy(device, "bfloat16" if device == "cuda" else "float32",
-                                                          optimizer_state_dtype="bfloat16")}
-    config = _yaml(work / "eight_b_shape.yaml", overrides)
-    run = _fit("eight_b", work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(config)], record, 4)
+                            "strategy": _offload_strategy(device, "bfloat16" if device == "cuda" else "float32", **knobs)}
+    config = _yaml(work / f"{name}_shape.yaml", overrides)
+    run = _fit(name, work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(config)], record, 4)
     record.put(summary=_figures(run["result"]))
 
 
@@ -463,12 +469,7 @@ def step_codecs(record: Record, device: str, work: Path) -> None:
 
 def step_eight_b_fp32(record: Record, device: str, work: Path) -> None:
     """The 8B as shipped: float32 moments (112.5 GiB of host memory by the preflight's count), 4 steps."""
-    overrides = _shape(device, "llama-8b", 32 if device == "cuda" else 2, 2048, 8)
-    overrides["trainer"] = {**_accelerator(device), "gradient_clip_val": None,
-                            "strategy": _offload_strategy(device, "bfloat16" if device == "cuda" else "float32")}
-    config = _yaml(work / "eight_b_fp32_shape.yaml", overrides)
-    run = _fit("eight_b_fp32", work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(config)], record, 4)
-    record.put(summary=_figures(run["result"]))
+    _eight_b("eight_b_fp32", record, device, work)
 
 
 def step_fsdp2_1b_fast(record: Record, device: str, work: Path) -> None:
@@ -571,13 +572,7 @@ def step_eight_b_lora(record: Record, device: str, work: Path) -> None:
     """LoRA rank 16 on the 8B under SlideFSDP (issue 29): the frozen base once on the host in bfloat16, the adapters'
     master and moments on the host AdamW, 4 steps; compare the host and device peaks with ``estimate``'s 22.5 and
     8.6 GiB (docs/finetuning.md)."""
-    overrides = _shape(device, "llama-8b", 32 if device == "cuda" else 2, 2048, 8)
-    overrides["model"]["lora"] = {"rank": 16, "alpha": 32}
-    overrides["trainer"] = {**_accelerator(device), "gradient_clip_val": None,
-                            "strategy": _offload_strategy(device, "bfloat16" if device == "cuda" else "float32")}
-    config = _yaml(work / "eight_b_lora_shape.yaml", overrides)
-    run = _fit("eight_b_lora", work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(config)], record, 4)
-    record.put(summary=_figures(run["result"]))
+    _eight_b("eight_b_lora", record, device, work, model={"lora": {"rank": 16, "alpha": 32}})
 
 
 STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
