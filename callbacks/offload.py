@@ -25,7 +25,9 @@ class OffloadStats(pl.Callback):
     not merely while the host was inside it; and the backward's time on the device (its compute, from
     CUDA events on the compute stream, less the gaps where it idled while the host waited for a gradient
     buffer) and on the host (waits included). A CPU-bound step shows a host backward near the update
-    time, a device backward far below it, and a low hidden share. On a CPU "device" the computing
+    time, a device backward far below it, and a low hidden share. Beside them: the device's idle time inside
+    the backward (``device_idle_ms``), the hideable share (device backward / update: what the update could
+    hide under the backward alone) and the host's wait for updates at the optimizer step (``update_wait_ms``). On a CPU "device" the computing
     thread is the device: host times, its waits for a buffer left out of the device's. The record also
     gets the node's host state (master weights, moments, staging copy, kept gradients, activations) in
     GB and per billion parameters.
@@ -68,6 +70,12 @@ class OffloadStats(pl.Callback):
             "cpu_update_hidden_share": mean(s.cpu_update_hidden_s for s in steps) / update_s if update_s > 0 else 0.0,
             "device_backward_ms": mean(s.device_backward_s for s in steps) * 1000,
             "host_backward_ms": mean(s.host_backward_s for s in steps) * 1000,
+            # the device waiting inside the backward for a gradient buffer an update had not freed yet
+            "device_idle_ms": mean(s.device_idle_s for s in steps) * 1000,
+            # the most the update could hide under the device's backward: 1 once the backward is the longer
+            "cpu_update_hideable_share": (min(1.0, mean(s.device_backward_s for s in steps) / update_s)
+                                          if update_s > 0 else 0.0),
+            "update_wait_ms": mean(s.update_wait_s for s in steps) * 1000,
         }
 
     def _host_state(self) -> dict[str, float]:

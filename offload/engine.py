@@ -13,14 +13,16 @@
   them), so it is released once the backward has reached the block below (``before_backward``) or ended.
 - **optimizer step**: wait for the outstanding updates; with clipping (or ``on_nonfinite: skip_step``),
   first the global norm, then every update (the updates cannot start before the norm is known: that
-  overlap is lost), unless they are delayed by one step (``delayed_update``, ZeRO-Offload's DPU): then
-  each unit's update runs during the next step's backward, when its next gradient reaches the host, and
-  the next step computes with weights one update old. The step's figures (``OffloadStep``) are read then; the
-  CPU update's hidden part is measured against the device's backward (``offload.transfers.BackwardClock``).
+  overlap is lost), unless they are delayed by one step (``delayed_update``, ZeRO-Offload's DPU): then the
+  step's updates are queued with the norm known and run during the next step's forward and backward, which
+  computes with weights one update old (``offload.gradients``). The step's figures (``OffloadStep``) are read
+  then; the CPU update's hidden part is measured against the device's backward (``offload.transfers.BackwardClock``),
+  and, delayed, against the forward and backward that the host ran before it waited for the updates.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +53,8 @@ class OffloadStep:
     cpu_update_hidden_s: float  # the part that ran while the device computed the backward (``hidden_update_s``)
     host_backward_s: float  # from ``loss.backward()`` to its return on the host, its waits for gradient buffers included
     device_backward_s: float  # the device's compute: its span on the compute stream less its idle gaps at those waits
+    device_idle_s: float = 0.0  # the device's idle gaps inside the backward, waiting for a gradient buffer
+    update_wait_s: float = 0.0  # the host's wait at the optimizer step for CPU updates still running
 
 
 def overlap(interval: tuple[float, float], window: tuple[float, float]) -> float:
@@ -99,10 +103,11 @@ class SlideEngine:
         self.phase = IDLE
         self.accumulating = False  # inside Lightning's block_backward_sync: no update at this backward
         self.defer_updates = False  # clipping or skip_step: updates wait for the end of the backward
-        self.delay_updates = False  # DPU: each update runs during the next step's backward (``GradientPipeline.delay_kept``)
+        self.delay_updates = False  # DPU: a step's updates run during the next step (``GradientPipeline.start_delayed``)
         self.arrived: list[list[int]] = []  # gradients accumulated per unit and gradient part in the current backward
         self.sent = [0] * len(layouts)  # gradient parts sent per unit in the current backward
         self.last_step: OffloadStep | None = None  # the figures of the last optimizer step
+        self.step_began: float | None = None  # perf_counter when the last optimizer step returned (delayed updates)
         self._handles: list[RemovableHandle] = []
         self.keep_after_forward = max(0, len(window.slots) - 1)
         self.checkpointed = self._wrap_and_hook(blocks, checkpoint_every)
@@ -222,14 +227,12 @@ class SlideEngine:
 
     # --- optimizer step ----------------------------------------------------------------------------
 
-    def finish_step(self, adam: CpuAdam) -> OffloadStep:
-        """Wait for every CPU update of this step (starting the kept ones first) and account for it."""
-        adam.wait()  # the gradients of this step have all arrived (and were applied, without clipping)
-        if self.delay_updates:  # DPU: the last step's updates ran during this backward (or run now: no gradient came)
-            self.gradients.run_delayed()
-            adam.freeze_hyperparameters()
-            self.gradients.delay_kept()
-        else:
+    def finish_step(self, adam: CpuAdam, warming_up: bool = False) -> OffloadStep:
+        """Wait for every CPU update of this step (starting the kept ones first), or with ``delay_updates`` for the last
+        step's, then queue this step's (and, ``warming_up``, apply them before the next step); and account for it."""
+        waited = min([time.perf_counter(), *(start for start, _ in adam.wait_intervals)])  # the host's step ended
+        adam.wait()  # the gradients of this step have all arrived (and were applied, without clipping or delay)
+        if not self.delay_updates:
             for unit in self.gradients.kept_units():  # with clipping: every update, now that the norm is known
                 adam.submit(lambda u=unit: self.gradients.update(u))
             adam.wait()
@@ -238,12 +241,28 @@ class SlideEngine:
         totals = self.transfers.take_totals()
         backwards = self.transfers.clock.take()  # after adam.wait(): nothing left to wait for (``BackwardClock.take``)
         intervals, adam.update_intervals = adam.update_intervals, []
+        update_s = sum(end - start for start, end in intervals)
+        idle = [gap for b in backwards for gap in b.idle]
+        waits, adam.wait_intervals = adam.wait_intervals, []
+        if self.delay_updates and self.step_began is not None:  # hidden: ran while the host drove the device's step
+            step = (self.step_began, waited)
+            hidden = sum(overlap(update, step) - sum(overlap(update, gap) for gap in [*idle, *waits])
+                         for update in intervals)
+        else:
+            hidden = sum(hidden_update_s(intervals, b.host, b.idle) for b in backwards)
+        if self.delay_updates:
+            self.gradients.start_delayed()
+            if warming_up:
+                self.gradients.apply_delayed()
+                adam.wait_intervals.clear()  # the next step waits for nothing
+        self.step_began = time.perf_counter()
         step = OffloadStep(
             h2d_bytes=totals.h2d_bytes, h2d_s=totals.h2d_s, d2h_bytes=totals.d2h_bytes, d2h_s=totals.d2h_s,
-            cpu_update_s=sum(end - start for start, end in intervals),
-            cpu_update_hidden_s=sum(hidden_update_s(intervals, b.host, b.idle) for b in backwards),
+            cpu_update_s=update_s, cpu_update_hidden_s=hidden,
             host_backward_s=sum(b.host[1] - b.host[0] for b in backwards),
             device_backward_s=sum(b.device_s for b in backwards),
+            device_idle_s=sum(end - start for start, end in idle),
+            update_wait_s=sum(end - start for start, end in waits),
         )
         self.last_step = step
         return step

@@ -10,6 +10,13 @@ The host side runs on the CPU optimizer's worker thread while the device goes on
 of the units before it: wait for the copy, then either update the unit at once, or add the gradient
 to the unit's kept buffer (gradient accumulation, clipping) and update it at the optimizer step.
 
+A delayed update (``delay``, ZeRO-Offload's DPU) keeps each piece in its buffer (the reduce dtype, no fp32 copy)
+and, for clipping and the non-finite guard, adds its squared norm to the step's; at the optimizer step the step's
+updates are queued on the worker with the clipping coefficient, and run during the next step's forward and backward.
+They update the master and moments only: the device may still load the unit from the staging copy in that step, so
+the unit's staging rows are rewritten from the master when its next gradient reaches the host (its last load of the
+step is over then, on every rank: the gradient's collective shows it).
+
 Non-finite gradients (``check_finite``): with ``gpu_reduce`` the device sums the reduced shard and sends
 whether the sum is finite as one more element of the copy, so the host reads no gradient twice (on a GPU
 the check costs a reduction at device bandwidth, and no host sync); with ``cpu_reduce`` the host sums it.
@@ -26,10 +33,18 @@ import torch.distributed as dist
 from compress.layout import UnitLayout
 from compress.torch_compat import reduce_scatter_flat
 from lit_fsdp.errors import OneLineError
-from offload.cpu_adam import CpuAdam
+from offload.cpu_adam import CHUNK, CpuAdam
 from offload.host import HostState
 from offload.host_memory import FLAG_ELEMENTS, pieces
 from offload.transfers import Event, Transfers
+
+
+def squared_norm(values: torch.Tensor, chunk: int = CHUNK) -> float:
+    """The squared L2 norm of ``values`` in float32, chunk by chunk (a bfloat16 gradient widened in cache, not whole)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for start in range(0, values.numel(), chunk):
+        total += torch.linalg.vector_norm(values[start : start + chunk], dtype=torch.float32).square()
+    return float(total)
 
 
 class HostUpdateError(OneLineError):
@@ -114,7 +129,12 @@ class GradientPipeline:
         self.flag_elements = FLAG_ELEMENTS if gpu_reduce and check_finite else 0  # the device's verdict, copied along
         self.finite = [True] * len(layouts)  # the device's verdicts on each kept gradient's pieces, and-ed
         self.nonfinite_units: set[int] = set()  # units with an update withheld for non-finite gradients since the last take
-        self.delayed: set[int] = set()  # units whose kept gradient is applied during the next step (``delay_kept``)
+        self.delay = False  # DPU: pieces wait in their buffers for the next step's update (module docstring)
+        self.norms = False  # with ``delay``: add each piece's squared norm to ``squared_norm`` on arrival
+        self.arriving: list[list[tuple[int, int, torch.Tensor, torch.Tensor]]] = [[] for _ in layouts]  # this step's
+        self.squared_norm = 0.0  # of this step's gradient on this rank (``norms``)
+        self.scale = 1.0  # clipping's coefficient for this step's delayed updates
+        self.stale: set[int] = set()  # units whose master was updated and whose staging rows were not rewritten yet
 
     def reduce_and_offload(self, unit: int, part: int, gradients: list[torch.Tensor | None], update_now: bool) -> None:
         """Send a part of ``unit``'s full gradients (device, one per parameter of the part; None counts as zero) to the
@@ -157,7 +177,7 @@ class GradientPipeline:
 
     def _on_host(self, unit: int, start: int, stop: int, incoming: torch.Tensor, copied: Event, update_now: bool) -> None:
         """Worker thread: rows ``[start, stop)`` of ``unit``'s shard are (being) copied into ``incoming``; reduce them here
-        if needed, apply them.
+        if needed, apply them (or, delayed, hold them for the next step's update).
 
         Whatever fails, the buffer goes back to the ring, and the error becomes one line naming the unit:
         the backward waiting for a buffer and the optimizer step waiting for the worker raise it.
@@ -172,14 +192,15 @@ class GradientPipeline:
         try:
             self._apply_on_host(unit, start, stop, incoming, copied, update_now, release)
         except Exception as error:
-            raise host_update_error(unit, error) from error
-        finally:
             release()
+            raise host_update_error(unit, error) from error
+        if not (self.delay and self.arriving[unit] and self.arriving[unit][-1][3] is incoming):
+            release()  # a delayed update's piece keeps its buffer until the update
 
     def _apply_on_host(self, unit: int, start: int, stop: int, incoming: torch.Tensor, copied: Event, update_now: bool,
                        release) -> None:
         self.transfers.synchronize(copied)
-        layout = self.layouts[unit]
+        buffer, layout = incoming, self.layouts[unit]
         finite = None  # not known yet: the host checks
         if self.flag_elements:
             finite, incoming = bool(incoming[-1] != 0), incoming[: -self.flag_elements]
@@ -190,10 +211,16 @@ class GradientPipeline:
             shard = incoming[self.shard_rank * layout.shard_numel : (self.shard_rank + 1) * layout.shard_numel]
             if self.world_size > 1:
                 shard.div_(self.world_size)
+        if self.delay:
+            if self.norms:
+                self.squared_norm += squared_norm(shard)
+            self.arriving[unit].append((start, stop, shard, buffer))
+            self.received[unit] += 1
+            if self.received[unit] == self.pieces_per_unit[unit] and unit in self.stale:
+                self.host.write_staging(unit)  # every rank has loaded it for the last time this step
+                self.stale.discard(unit)
+            return
         if self.host.gradients is not None:
-            if unit in self.delayed:  # the last step's update, delayed until now: see ``delay_kept``
-                self.delayed.discard(unit)
-                self.update(unit)
             kept = self.host.gradients[unit][start:stop]
             if self.received[unit] == 0:
                 self.finite[unit] = True
@@ -237,36 +264,73 @@ class GradientPipeline:
         return len(withheld)
 
     def discard(self) -> None:
-        """Forget the kept gradients of this step: the optimizer step then updates nothing (a delayed update of the
-        last step that is still waiting is kept)."""
+        """Forget the gradients of this step: the optimizer step then updates nothing (the last step's delayed
+        updates, already applied by then, are kept)."""
         self.adam.wait()
-        self.received = [count if unit in self.delayed else 0 for unit, count in enumerate(self.received)]
+        self.received = [0] * len(self.layouts)
+        for unit, held in enumerate(self.arriving):
+            for *_, buffer in held:
+                self.host.incoming.release(buffer)
+            self.arriving[unit] = []
+        self.squared_norm = 0.0
 
     # --- at the optimizer step -------------------------------------------------------------------
 
     def kept_units(self) -> list[int]:
         """Units whose kept gradient of this step has not been applied yet."""
-        return [unit for unit, count in enumerate(self.received) if count and unit not in self.delayed]
+        return [unit for unit, count in enumerate(self.received) if count]
 
-    def delay_kept(self) -> None:
-        """Apply the kept gradients during the next step instead of now (the one-step delayed update, DPU).
+    def delayed_norm(self, max_norm: float | None, norm_group: dist.ProcessGroup | None) -> torch.Tensor | None:
+        """This step's global gradient norm from the pieces' squared norms (None if not summed: no clipping and
+        ``on_nonfinite: warn``), and the clipping coefficient its delayed updates will take if ``max_norm``."""
+        self.adam.wait()
+        self.scale = 1.0
+        if not self.norms:
+            return None
+        squared = torch.tensor(self.squared_norm, dtype=torch.float64)
+        self.squared_norm = 0.0
+        if norm_group is not None:
+            dist.all_reduce(squared, group=norm_group)
+        total = squared.sqrt().to(torch.float32)
+        if max_norm and bool(torch.isfinite(total)):
+            self.scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
 
-        A unit's delayed update runs on the worker when the first piece of its next gradient is on the host: its
-        slot on the worker comes before that piece overwrites the kept buffer, and (with more than one rank per node)
-        the gradient's collective, done on every rank, shows that every rank has loaded the unit for the last time
-        in this step, so a shared staging copy is not rewritten under another rank's load.
-        """
+    def start_delayed(self) -> None:
+        """Queue this step's updates on the worker (they run during the next step), and rewrite the staging rows of
+        units updated last step that got no gradient in this one (their update is done: the caller waited)."""
         self.adam.wait()
-        self.delayed = set(self.kept_units())
+        for unit in sorted(self.stale):
+            self.host.write_staging(unit)
+        self.stale.clear()
+        self.adam.freeze_hyperparameters()  # this step's learning rate, before the scheduler moves on
+        held, self.arriving = self.arriving, [[] for _ in self.layouts]
+        self.received = [0] * len(self.layouts)
+        for unit, pieces_of_unit in enumerate(held):
+            if pieces_of_unit:
+                self.stale.add(unit)
+                self.adam.submit(partial(self._delayed_update, unit, pieces_of_unit, self.scale))
 
-    def run_delayed(self) -> None:
-        """Apply the delayed updates still waiting (a unit that got no gradient, or before a checkpoint, a validation
-        or the end of training), and wait for them."""
+    def _delayed_update(self, unit: int, held: list[tuple[int, int, torch.Tensor, torch.Tensor]], scale: float) -> None:
+        """Worker thread: one unit's update from the pieces it held, master and moments only (``stale`` until its
+        staging rows are rewritten); every buffer goes back to the ring."""
+        try:
+            no_staging = [None] * len(self.layouts[unit].places)
+            for start, stop, shard, _ in held:
+                self.adam.update_rows(unit, shard, start, stop, no_staging, grad_scale=scale)
+        except Exception as error:
+            raise host_update_error(unit, error) from error
+        finally:
+            for *_, buffer in held:
+                self.host.incoming.release(buffer)
+
+    def apply_delayed(self) -> None:
+        """Finish the delayed updates and rewrite every stale staging row now (before a checkpoint, a validation or
+        the end of training: the next read of the weights sees the update)."""
         self.adam.wait()
-        for unit in sorted(self.delayed):
-            self.adam.submit(partial(self.update, unit))
-        self.delayed = set()
-        self.adam.wait()
+        for unit in sorted(self.stale):
+            self.host.write_staging(unit)
+        self.stale.clear()
 
     def clip_kept(self, max_norm: float | None, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
         """Scale the kept gradients so that their global norm is at most ``max_norm`` (if set); returns the norm before.

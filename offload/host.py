@@ -9,7 +9,8 @@ Per unit and rank:
   keeps its own rows (shard layout) and the devices all-gather the rest. With ``full`` every rank
   copies whole blocks, so the node keeps one full copy (full layout) in shared memory that each rank
   writes its rows into after its update; one process alone keeps it in private memory.
-- **gradients** (of the trained parameters): a ring of pinned buffers, each the size of the largest block's shard,
+- **gradients** (of the trained parameters): a ring of pinned buffers (``gradient_slots``), each the size of the
+  largest block's shard,
   the reduced gradients land in from the device (a larger part of the root in several pieces), each piece followed
   by the device's verdict on whether its part is finite; with gradient accumulation or clipping also one fp32 buffer
   per unit that holds the sum until the optimizer step (clipping needs every gradient before the first update).
@@ -167,6 +168,7 @@ class BufferRing:
     POLL_S = 0.5  # how often a waiting ``acquire`` looks for a failure of the side that gives buffers back
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool):
+        self.count = count
         self.region = HostRegion.empty(count * numel, dtype, pin)
         buffers = self.region.tensor.split(numel) if numel else [self.region.tensor] * count
         self._by_address = {buffer.data_ptr(): buffer for buffer in buffers}

@@ -62,24 +62,23 @@ class HostSetup:
     optimizer_state_dtype: torch.dtype  # AdamW's exp_avg and exp_avg_sq
     processes: int  # ranks on the node; they shard the master rows between them
     full_staging: bool  # param_transfer: full (one full-layout copy per node), else each rank's shard
-    keep_gradients: bool  # accumulation, clipping or skip_step: an fp32 gradient per unit until the step
+    keep_gradients: bool  # accumulation, or clipping or skip_step without delayed_update: an fp32 gradient per unit
     incoming_full: bool  # grad_sync: cpu_reduce: whole gradients reach the host, not this rank's shard
-    ring_size: int  # gradient buffers in flight per rank
+    window: int  # blocks on the device at once
+    gradient_slots: int | None = None  # gradient buffers per rank; None: ``gradient_slots`` chooses
+    holds_step: bool = False  # delayed_update: a step's gradients wait in their buffers for the next step
     offloaded_activation_bytes: int = 0  # per rank: checkpointed block inputs kept on the host
 
     @classmethod
     def of_knobs(cls, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, optimizer_state_dtype: torch.dtype,
                  processes: int, param_transfer: str, grad_sync: str, window: int, keep_gradients: bool,
-                 offloaded_activation_bytes: int = 0) -> "HostSetup":
+                 offloaded_activation_bytes: int = 0, gradient_slots: int | None = None,
+                 delayed_update: bool = False) -> "HostSetup":
         """The setup SlideFSDP's knobs give (``offload.SlideFSDPStrategy`` and the tuner's candidates)."""
         return cls(compute_dtype, reduce_dtype, optimizer_state_dtype, processes, full_staging=param_transfer == "full",
-                   keep_gradients=keep_gradients, incoming_full=grad_sync == "cpu_reduce",
-                   ring_size=ring_size(window), offloaded_activation_bytes=offloaded_activation_bytes)
-
-
-def ring_size(window: int) -> int:
-    """Gradient buffers per rank: one per block the window holds, at least two (one filling, one being applied)."""
-    return max(2, window)
+                   keep_gradients=keep_gradients, incoming_full=grad_sync == "cpu_reduce", window=window,
+                   gradient_slots=gradient_slots, holds_step=delayed_update,
+                   offloaded_activation_bytes=offloaded_activation_bytes)
 
 
 #: Piece sizes are multiples of this many elements: a piece then starts where a whole update's vector lanes would, and
@@ -104,6 +103,43 @@ def pieces(part_numel: int, capacity: int) -> int:
     return max(1, math.ceil(part_numel / capacity))
 
 
+def pieces_per_step(units: Sequence[UnitSize], capacity: int) -> int:
+    """Ring buffers one backward's gradients take: every unit's parts, in pieces of ``capacity`` elements."""
+    return sum(pieces(part, capacity) for unit in units for part in unit.part_sizes())
+
+
+class GradientSlotsError(ValueError):
+    """``gradient_slots`` below what the run needs (``delayed_update`` holds a whole step's gradients)."""
+
+
+def gradient_slots(units: Sequence[UnitSize], setup: HostSetup) -> int:
+    """Gradient buffers per rank: ``setup.gradient_slots`` if set (checked), else chosen:
+
+    - with a kept fp32 gradient per unit (accumulation; clipping or skip_step without ``delayed_update``) a piece is
+      added to it on arrival and its buffer freed at once: ``max(2, window)``;
+    - else one per piece of a backward, so that the device's backward never waits for a CPU update to free one
+      (the updates may run behind the backward);
+    - ``delayed_update`` holds each piece until the next step's update of it: a backward's pieces, and ``max(2,
+      window)`` more for the next backward's first pieces while the first updates run. Fewer than a backward's
+      pieces and one would wait forever, and are refused.
+    """
+    if setup.incoming_full:  # whole gradients: one piece per unit that trains
+        per_step = sum(1 for unit in units if unit.part_sizes())
+    else:
+        per_step = pieces_per_step(units, piece_capacity(units, False, setup.processes))
+    least = per_step + 1 if setup.holds_step else 1
+    if setup.gradient_slots is not None:
+        if setup.gradient_slots < least:
+            why = (f"delayed_update holds one step's {per_step} gradient pieces until the next step's updates, so it "
+                   f"needs at least {least}" if setup.holds_step else "at least 1 is needed")
+            raise GradientSlotsError(f"SlideFSDP gradient_slots={setup.gradient_slots}: {why}; set gradient_slots >= "
+                                     f"{least}, or null to have it chosen")
+        return setup.gradient_slots
+    if setup.keep_gradients:
+        return max(2, setup.window)
+    return per_step + (max(2, setup.window) if setup.holds_step else 0)
+
+
 def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
     """Bytes per node of each host buffer for ``units`` (blocks, then the root): the staging copy holds every
     parameter, the master, moments and gradients the trained ones."""
@@ -119,7 +155,7 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
         "adam_moments": trained_full * 2 * setup.optimizer_state_dtype.itemsize,
         "staging": (full if setup.full_staging else ranks * shard) * setup.compute_dtype.itemsize,
         "kept_gradients": ranks * trained_shard * 4 if setup.keep_gradients else 0,
-        "gradient_ring": ranks * setup.ring_size * incoming * setup.reduce_dtype.itemsize,
+        "gradient_ring": ranks * gradient_slots(units, setup) * incoming * setup.reduce_dtype.itemsize,
         "activations": ranks * setup.offloaded_activation_bytes,
     }
     return parts

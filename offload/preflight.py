@@ -65,6 +65,18 @@ def describe_cores(sysfs: Path = SYSFS) -> str:
             + ("no cgroup CPU quota" if quota is None else f"a cgroup quota of {quota:g} CPUs"))
 
 
+def sizes_of(layouts: list, trained: list, gpu_reduce: bool) -> list[UnitSize]:
+    """Every unit's size (blocks, then the root) from its layout and its trained parameters' layout, the root's
+    gradient parts as ``offload.gradients.gradient_parts`` makes them."""
+    root_parts = gradient_parts(trained[-1], per_parameter=gpu_reduce)
+    sizes = []
+    for unit, (layout, trained_layout) in enumerate(zip(layouts, trained)):
+        parts = tuple(p.layout.shard_numel for p in root_parts) if unit == len(layouts) - 1 else ()
+        sizes.append(UnitSize(layout.full_numel, layout.shard_numel, parts, layout.full_numel - trained_layout.full_numel,
+                              layout.shard_numel - trained_layout.shard_numel))
+    return sizes
+
+
 class HostPreflight:
     """The host side of SlideFSDP's knobs: host buffers counted and checked against the host's memory, update threads
     planned against its cores (and bound to the GPU's NUMA node). Read by the preflight, ``estimate`` and the tuner."""
@@ -80,6 +92,8 @@ class HostPreflight:
     control_cores: int
     optimizer_state_dtype: str
     delayed_update: bool
+    delayed_update_warmup: int
+    gradient_slots: int | None
     host_memory_gb: float | None
     block_class: str | None
     on_nonfinite: str
@@ -121,8 +135,14 @@ class HostPreflight:
         return self.delayed_update or not self.defers_updates(trainer)
 
     def keeps_gradients(self, trainer: pl.Trainer) -> bool:
-        """Accumulation and deferred updates need each unit's gradient kept on the host until the optimizer step."""
-        return trainer.accumulate_grad_batches > 1 or self.defers_updates(trainer)
+        """Accumulation, and deferred updates that are not delayed, add each unit's gradient into an fp32 buffer kept
+        on the host until the optimizer step (a delayed update keeps the gradient in its bfloat16 buffers instead)."""
+        return trainer.accumulate_grad_batches > 1 or (self.defers_updates(trainer) and not self.delayed_update)
+
+    def norms_on_arrival(self, trainer: pl.Trainer) -> bool:
+        """A delayed update learns the step's gradient norm (for clipping and the non-finite guard) piece by piece
+        as the gradients reach the host, so that the norm is known when the next step's updates start."""
+        return self.delayed_update and (bool(trainer.gradient_clip_val) or self.on_nonfinite != "warn")
 
     def checks_units_finite(self, trainer: pl.Trainer) -> bool:
         """Each unit's gradients are checked for non-finite values before its update (the device does it with
@@ -134,7 +154,8 @@ class HostPreflight:
         compute = compute or self.resolve_dtype(self.param_dtype)
         return HostSetup.of_knobs(compute, self.resolve_dtype(self.reduce_dtype, fallback=compute),
                                   getattr(torch, self.optimizer_state_dtype), trainer.num_devices, self.param_transfer,
-                                  self.grad_sync, self.window, self.keeps_gradients(trainer), activation_bytes)
+                                  self.grad_sync, self.window, self.keeps_gradients(trainer), activation_bytes,
+                                  self.gradient_slots, self.delayed_update)
 
     def unit_sizes(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
         """Every unit's size (blocks, then the root) with ``shards`` ranks per node, from the model on the meta device
@@ -150,15 +171,7 @@ class HostPreflight:
             lora.attach(network, adapters)
         block_layouts, root_layout = build_layouts(network, find_blocks(network, self.block_class), shards, 0)
         layouts = [*block_layouts, root_layout]
-        trained = trained_layouts(layouts, shards, 0)
-        root_parts = gradient_parts(trained[-1], per_parameter=self.grad_sync == "gpu_reduce")
-        sizes = []
-        for layout, trained_layout in zip(layouts, trained):
-            parts = tuple(p.layout.shard_numel for p in root_parts) if layout is root_layout else ()
-            sizes.append(UnitSize(layout.full_numel, layout.shard_numel, parts,
-                                  layout.full_numel - trained_layout.full_numel,
-                                  layout.shard_numel - trained_layout.shard_numel))
-        return sizes
+        return sizes_of(layouts, trained_layouts(layouts, shards, 0), self.grad_sync == "gpu_reduce")
 
     def host_buffer_estimate(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None,
                              compute: torch.dtype | None = None, units: list[UnitSize] | None = None) -> dict[str, int]:

@@ -31,13 +31,14 @@ from lit_fsdp.lightning_compat import is_sharded_checkpoint as _is_sharded_check
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import OnNonFinite
 from lit_fsdp.strategy import CausalLMStrategy, DType
+from offload.compile import compile_forwards
 from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, OffloadStep, SlideEngine
 from offload.gradients import GradientPipeline
 from offload.host import HostState, SharedStaging, can_pin, node_tag
-from offload.host_memory import ring_size
+from offload.host_memory import gradient_slots
 from offload.layout import build_layouts, trained_layouts
-from offload.preflight import HostPreflight
+from offload.preflight import HostPreflight, sizes_of
 from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
 from offload.transfers import Transfers
@@ -59,11 +60,14 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         param_dtype: DType = "auto",
         reduce_dtype: DType = "auto",
         activation_checkpointing: int = 0,
+        compile_blocks: bool = False,
         cpu_threads: int | None = None,
         cpu_binding: Literal["numa", "none"] = "numa",
         control_cores: int = 1,
         optimizer_state_dtype: OptimizerStateDType = "float32",
         delayed_update: bool = False,
+        delayed_update_warmup: int = 0,
+        gradient_slots: int | None = None,
         pin_memory: bool = True,
         host_memory_gb: float | None = None,
         block_class: str | None = None,
@@ -87,6 +91,7 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
             reduce_dtype: Dtype the gradients are reduced and copied to the host in; ``auto`` (default) follows
                 ``param_dtype``: bfloat16 on GPUs halves the device-to-host bytes, and the CPU update reads it as it is.
             activation_checkpointing: Recompute the activations of every k-th block in backward; 0 turns it off.
+            compile_blocks: ``torch.compile`` each block's forward (the engine's hooks stay eager; ``offload.compile``).
             cpu_threads: Threads of this rank's CPU work (the AdamW updates); default: the cores this process may run
                 on (affinity, cgroup CPU quota) / processes per node, less one left to the thread that launches kernels
                 (with ``cpu_binding: numa``: the rank's cores less ``control_cores``).
@@ -96,11 +101,19 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
             control_cores: Cores of each rank's share left to the threads that launch kernels and run autograd.
             optimizer_state_dtype: AdamW moments on the host; ``bfloat16`` halves them (8 -> 4 B/param; the update
                 still computes in float32, and the moments are rounded to nearest after it).
-            delayed_update: Apply each step's CPU updates during the next step's backward (ZeRO-Offload's one-step
-                delayed parameter update, DPU): with clipping or ``on_nonfinite: skip_step`` the updates then overlap
-                the backward instead of following it, and every step computes with weights one update old. A
-                checkpoint, a validation and the end of training apply the waiting update first. Keeps each unit's
-                gradient on the host (4 B/param); not with gradient accumulation.
+            delayed_update: Apply each step's CPU updates during the next step's forward and backward (ZeRO-Offload's
+                one-step delayed parameter update, DPU), so that the update overlaps the whole step, clipping included
+                (the norm is known when the updates start); every step computes with weights one update old. Each
+                gradient waits in its buffer (the reduce dtype: 2 B/param in bfloat16) for its update. A checkpoint, a
+                validation and the end of training apply the waiting update first. Not with gradient accumulation.
+            delayed_update_warmup: With ``delayed_update``, the first optimizer steps of training whose updates are
+                applied before the next step instead (ZeRO-Offload's DPU warm-up: staleness costs most while the
+                weights change fastest).
+            gradient_slots: Host buffers for gradients on their way to the CPU update, each the size of a block's
+                shard; default (null): one per piece of a backward (the device never waits for an update to free
+                one), plus ``max(2, window)`` with ``delayed_update``; ``max(2, window)`` when a kept fp32 gradient
+                takes each piece on arrival (accumulation; clipping without ``delayed_update``). Counted by the
+                preflight and ``estimate``.
             pin_memory: Pin the host buffers that cross PCIe (GPU only); if pinning fails it is turned off with a warning.
             host_memory_gb: Host memory (GiB per node) the preflight may count on; default: MemAvailable now. Set it
                 on a VM whose memory is granted as it is used, where MemAvailable starts far below what the VM gets.
@@ -116,6 +129,8 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
                          process_group_backend, timeout)
         if window < 1:
             raise ValueError(f"SlideFSDP window={window}: at least 1 block must fit on the device; set window >= 1")
+        if gradient_slots is not None and gradient_slots < 1:
+            raise ValueError(f"SlideFSDP gradient_slots={gradient_slots} must be >= 1, or null to have it chosen")
         if activation_offload == "cpu" and not activation_checkpointing:
             raise ValueError(
                 "activation_offload: cpu offloads the inputs of checkpointed blocks; set activation_checkpointing >= 1"
@@ -130,6 +145,7 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         self.param_transfer = param_transfer
         self.grad_sync = grad_sync
         self.activation_offload = activation_offload
+        self.compile_blocks = compile_blocks
         self.cpu_threads = cpu_threads
         if cpu_binding not in ("numa", "none"):
             raise ValueError(f"SlideFSDP cpu_binding={cpu_binding!r}: set it to numa or none")
@@ -139,6 +155,10 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         self.control_cores = control_cores
         self.optimizer_state_dtype = optimizer_state_dtype
         self.delayed_update = delayed_update
+        if delayed_update_warmup < 0:
+            raise ValueError(f"SlideFSDP delayed_update_warmup={delayed_update_warmup} must be >= 0 optimizer steps")
+        self.delayed_update_warmup = delayed_update_warmup
+        self.gradient_slots = gradient_slots
         self.pin_memory = pin_memory
         self.host_memory_gb = host_memory_gb
         self.engine: SlideEngine | None = None
@@ -216,10 +236,10 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         if full and shards > 1:
             numel = sum(layout.full_numel for layout in layouts)
             shared = SharedStaging(numel, compute, pin, shard_rank, node_tag(self.node_rank), shard_mesh.get_group())
+        slots = gradient_slots(sizes_of(layouts, trained, self.grad_sync == "gpu_reduce"), self.host_setup(trainer))
         self.host = HostState(
             layouts, compute, reduce, full_staging=full, keep_gradients=self.keeps_gradients(trainer),
-            incoming_full=self.grad_sync == "cpu_reduce", ring_size=ring_size(self.window), pin=pin, shared=shared,
-            trained=trained,
+            incoming_full=self.grad_sync == "cpu_reduce", ring_size=slots, pin=pin, shared=shared, trained=trained,
         )
         self.host_state_dict = HostStateDict(network, trained, self.host.master, self.cpu_mesh, self.host.frozen_rows())
         with self.host_state_dict.parameters_as_dtensors():
@@ -243,8 +263,11 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
             network, blocks, layouts, window, gradients, transfers, self.activation_checkpointing,
             self.activation_offload == "cpu", pin,
         )
+        if self.compile_blocks:
+            compile_forwards(blocks, device)
         self.engine.defer_updates = self.defers_updates(trainer)
-        self.engine.delay_updates = self.delayed_update
+        self.engine.delay_updates = gradients.delay = self.delayed_update
+        gradients.norms = self.norms_on_arrival(trainer)
         self._describe(layouts, compute, shards, pin)
 
     def _describe(self, layouts: list, compute: torch.dtype, shards: int, pin: bool) -> None:
@@ -256,7 +279,8 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         rank_zero_info(
             f"SlideFSDP: {parameters / 1e6:.1f}M parameters{frozen} in {len(layouts) - 1} blocks + root; master sharded over "
             f"{shards} rank(s) per node; device window {self.window} x {largest / 2**20:.1f} MiB in {compute}; "
-            f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}, pinned host buffers: {pin}"
+            f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}, {self.host.incoming.count} gradient "
+            f"slots, pinned host buffers: {pin}"
         )
 
     def offload_report(self) -> SlideFSDPStrategy | None:
@@ -325,7 +349,9 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         self.engine.end_backward()
 
     def clip_gradients(self, max_norm: float | None) -> torch.Tensor | None:
-        """With deferred updates: the global norm of the kept host gradients (all units, all ranks), clipped.
+        """With deferred updates: the global norm of the kept host gradients (all units, all ranks), clipped; with
+        ``delayed_update``: the norm summed as the pieces arrived, and the clipping coefficient the step's updates
+        will take when they run during the next step.
 
         Otherwise the updates already ran during the backward (each unit's gradients checked for
         non-finite values first): wait for them; there is no global norm.
@@ -335,6 +361,8 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
             self.adam.wait()
             return None
         group = self.cpu_mesh["shard"].get_group() if self.cpu_mesh["shard"].size() > 1 else None
+        if self.delayed_update:
+            return self.engine.gradients.delayed_norm(max_norm, group)
         return self.engine.gradients.clip_kept(max_norm, group)
 
     def drop_gradients(self, optimizer: Any) -> None:
@@ -348,15 +376,17 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)  # forward, backward, clipping
         assert self.engine is not None and self.adam is not None
-        self.engine.finish_step(self.adam)
+        step = self.lightning_module.trainer.global_step  # this step's index: the steps before it are done
+        self.engine.finish_step(self.adam, warming_up=step < self.delayed_update_warmup)
         self._staging_barrier()
         return result
 
     def apply_delayed_updates(self) -> None:
-        """Apply the update ``delayed_update`` keeps for the next step now, on every rank (before weights are read)."""
-        if self.engine is None or self.adam is None or not self.engine.gradients.delayed:
+        """Finish the updates ``delayed_update`` runs during the next step now, on every rank, and rewrite their staging
+        rows (before weights are read: a checkpoint, a validation, the end of training)."""
+        if self.engine is None or self.adam is None or not self.delayed_update:
             return
-        self.engine.gradients.run_delayed()
+        self.engine.gradients.apply_delayed()
         self.engine.window.root_stale = True
         self._staging_barrier()
 
@@ -402,9 +432,11 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.adam is not None
         if fitting:
             state["optimizer_0"] = self.host_state_dict.optimizer_state(self.adam)
+        if self.adam is not None:  # no update may land on the loaded weights
+            self.adam.wait()
         dcp.load(state, checkpoint_id=path)
         if self.engine is not None and self.adam is not None:  # gradients of the weights that were replaced
-            self.engine.gradients.delayed.clear()
+            self.engine.gradients.stale.clear()  # refresh_staging below rewrites every row
             self.engine.gradients.discard()
         if fitting:
             HostStateDict.restore_groups(self.adam, state["optimizer_0"])

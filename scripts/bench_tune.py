@@ -50,8 +50,9 @@ CASES: dict[str, dict[str, Any]] = {
                  "--trainer.strategy.init_args.activation_checkpointing", "1"],
     },
     "gpu-llama-1b": {
-        "default": "configs/llama_1b.yaml on one GPU: every block checkpointed at micro-batch 4",
-        "args": ["--config", QUICKSTART, "--config", str(REPO / "configs" / "llama_1b.yaml"), "--trainer.devices", "1",
+        "default": "configs/llama_1b_low_memory.yaml on one GPU: every block checkpointed at micro-batch 4",
+        "args": ["--config", QUICKSTART, "--config", str(REPO / "configs" / "llama_1b_low_memory.yaml"),
+                 "--trainer.devices", "1",
                  "--data.vocab_size", "128256"],
     },
 }

@@ -13,7 +13,8 @@ from offload.layout import UnitLayout
 from lit_fsdp.commands.estimate import estimate_step, parse
 from lit_fsdp.commands.tune.hardware import detect
 from offload.transfers import EMULATED_DELAY_VARIABLE
-from tests.helpers import REPO, assert_export_gives_logits, checkpoint_every, digests, fit, fit_arguments, record, run_cli
+from tests.helpers import (REPO, assert_export_gives_logits, checkpoint_every, digests, fit, fit_arguments, read_metrics,
+                           record, run_cli)
 
 STEPS = 8
 GLOBAL_BATCH = 4
@@ -216,3 +217,28 @@ def test_a_delayed_update_overlaps_the_backward_with_clipping_and_resumes_on_thr
     # step 0 and the first step after the resume have no update waiting; every other step hides its delayed one
     hidden = first["offload/cpu_update_hidden_share"][1:] + second["offload/cpu_update_hidden_share"][1:]
     assert len(hidden) == STEPS - 2 and all(share > 0 for share in hidden), hidden
+    # beside it, per step: the device's idle time inside the backward and the share the backward alone could hide
+    for key, low, high in (("offload/device_idle_ms", 0.0, float("inf")), ("offload/cpu_update_hideable_share", 0.0, 1.0),
+                           ("offload/update_wait_ms", 0.0, float("inf"))):
+        values = first[key] + second[key]
+        assert len(values) == STEPS and all(low <= value <= high for value in values), (key, values)
+
+
+def test_a_delayed_update_warmed_up_for_every_step_takes_the_synchronous_steps_and_one_not_warmed_up_does_not(tmp_path):
+    """``delayed_update_warmup``: the first steps' updates are applied before the next step (ZeRO-Offload's DPU
+    warm-up), so a run warmed up for all its steps takes the synchronous update's steps, clipping included (the
+    coefficient multiplies inside the update instead of the kept gradient: float32 rounding apart); without warm-up
+    the second step still computes with the initial weights. One process, the three runs in one spawn."""
+    from tests.distributed import fit_in_process, run
+
+    settings = [*common(1, 1, clip=True), *SLIDE]
+    runs = {"synchronous": knobs(delayed_update=False), "warmed": knobs(delayed_update=True, delayed_update_warmup=STEPS),
+            "delayed": knobs(delayed_update=True)}
+    run(fit_in_process, tmp_path, [fit_arguments(tmp_path / name, *settings, *extra, devices=1, batch_size=4, steps=STEPS)
+                                   for name, extra in runs.items()], world=1)
+    losses = {name: read_metrics(max((tmp_path / name).glob("lightning_logs/version_*/metrics.csv")))["train/loss"]
+              for name in runs}
+    assert losses["warmed"] == pytest.approx(losses["synchronous"], rel=1e-5)
+    assert losses["delayed"][0] == losses["synchronous"][0]
+    # from the second step on, the delayed run computes with weights one update old
+    assert all(d != pytest.approx(s, rel=1e-5) for d, s in zip(losses["delayed"][1:], losses["synchronous"][1:]))

@@ -58,9 +58,9 @@ def test_a_cpu_bound_backward_on_a_gpu_hides_only_the_devices_compute_and_is_rea
     assert clock.take() == []  # a fresh count
 
 
-def _slow_pipeline(monkeypatch, update_s: float):
-    """One process's gradient pipeline over six one-matrix blocks and a root, two ring buffers, copies in place, each
-    CPU update taking ``update_s`` longer (inside the time the optimizer measures)."""
+def _slow_pipeline(monkeypatch, update_s: float, slots: int = 2):
+    """One process's gradient pipeline over six one-matrix blocks and a root, ``slots`` ring buffers, copies in place,
+    each CPU update taking ``update_s`` longer (inside the time the optimizer measures)."""
     from compress.layout import UnitLayout
     from offload.gradients import GradientPipeline
 
@@ -69,7 +69,7 @@ def _slow_pipeline(monkeypatch, update_s: float):
     params = [torch.nn.Parameter(torch.empty(8, 8, device="meta")) for _ in range(7)]
     layouts = [UnitLayout.build(f"unit{u}", [((f"p{u}",), p)], 1, 0) for u, p in enumerate(params)]
     state = host.HostState(layouts, torch.float32, torch.float32, full_staging=True, keep_gradients=False,
-                           incoming_full=False, ring_size=2, pin=False, shared=None)
+                           incoming_full=False, ring_size=slots, pin=False, shared=None)
     adam = cpu_adam.CpuAdam(layouts, state.master, torch.optim.AdamW(params, lr=1e-3))
     return GradientPipeline(layouts, state, adam, transfers.Transfers(torch.device("cpu")), gpu_reduce=True,
                             reduce_dtype=torch.float32, world_size=1, shard_rank=0, shard_group=None,
@@ -103,6 +103,29 @@ def test_on_cpu_the_computing_threads_waits_for_a_gradient_buffer_hide_no_update
         assert sum(overlap(update, times.host) for update in updates) / total > 0.5  # the old measure
     else:
         assert times.device_s == pytest.approx(host_s, rel=0.1)
+
+
+def test_with_a_slot_per_gradient_piece_the_backward_never_waits_for_an_update_that_two_slots_make_it_wait_for(monkeypatch):
+    """A CPU-bound step (each update 12 times a unit's backward): with two gradient slots the computing thread idles
+    in the backward for buffers the updates free; with one per piece of the backward (``gradient_slots``' default) it
+    never does, and the updates run on behind it."""
+    idle = {}
+    for slots in (2, 7):
+        pipeline = _slow_pipeline(monkeypatch, 0.06, slots)
+        clock = pipeline.transfers.clock
+        clock.begin()
+        for unit in reversed(range(7)):
+            time.sleep(0.005)  # the unit's backward
+            pipeline.reduce_and_offload(unit, 0, [torch.ones(8, 8)], update_now=True)
+        clock.end()
+        backward_ended = time.perf_counter()
+        pipeline.adam.wait()
+        pipeline.adam.close()
+        (times,) = clock.take()
+        idle[slots] = sum(end - start for start, end in times.idle)
+        if slots == 7:
+            assert pipeline.adam.update_intervals[-1][1] > backward_ended + 0.2  # most updates after the backward
+    assert idle[7] == 0.0 and idle[2] > 0.2, idle
 
 
 def test_activation_buffers_are_exact_regions_registered_in_place_and_unpinned_at_teardown(monkeypatch):

@@ -7,6 +7,7 @@ import threading
 import types
 
 import pytest
+from functools import partial
 import torch
 import yaml
 
@@ -149,60 +150,42 @@ def _llama_8b_offload():
     config = yaml.safe_load((REPO / "configs" / "llama_8b_offload.yaml").read_text())
     strategy = SlideFSDPStrategy(**config["trainer"]["strategy"]["init_args"])
     strategy.parallel_devices = [torch.device("cuda", 0)]
-    trainer = types.SimpleNamespace(num_devices=1, num_nodes=1, gradient_clip_val=None, accumulate_grad_batches=1)
+    trainer = types.SimpleNamespace(num_devices=1, num_nodes=1, gradient_clip_val=config["trainer"]["gradient_clip_val"],
+                                    accumulate_grad_batches=1)
     data = types.SimpleNamespace(vocab_size=128_256, tokenizer=None, **{
         key: config["data"]["init_args"][key] for key in ("batch_size", "seq_len")})
     return strategy, trainer, CausalLM(**config["model"]), data
 
 
-def test_the_8b_offload_config_fits_a_128_gib_host_with_8_gib_to_spare_and_is_refused_on_96():
+def test_the_8b_offload_config_fits_a_128_gib_host_with_30_gib_to_spare_and_is_refused_on_80():
+    """The shipped 8B config (bfloat16 moments, delayed update with clipping, 64k tokens in one micro-batch): the
+    preflight counts the gradient ring that holds a step's pieces (no fp32 gradient copy) and no offloaded activations."""
     strategy, trainer, module, data = _llama_8b_offload()
+    assert strategy.delayed_update and trainer.gradient_clip_val and data.batch_size * data.seq_len == 65_536
     parts = strategy.check_host_memory(trainer, module, data, available=128 * GIB)
-    assert round(parts["master"] / GIB, 1) == 29.9 and round(parts["adam_moments"] / GIB, 1) == 59.8
+    assert round(parts["master"] / GIB, 1) == 29.9 and round(parts["adam_moments"] / GIB, 1) == 29.9
     assert round(parts["staging"] / GIB, 1) == 15.0  # bfloat16, one exact-size region: no power-of-two rounding
-    # window 2 x the largest block's bfloat16 gradient and its flag: the root's 1.05B (embeddings, head) go in pieces
-    assert parts["gradient_ring"] == 2 * (218_112_000 + 1) * 2
-    assert parts["activations"] == 32 * 8 * 2048 * 4096 * 2  # every block's checkpointed input, bfloat16
-    assert parts["kept_gradients"] == 0  # no clipping, no accumulation
-    assert 128 * GIB - sum(parts.values()) >= 8 * GIB
-    with pytest.raises(ValueError, match=r"^SlideFSDP needs 112.5 GiB of host memory per node for 8.03B parameters "
-                                         r"\(adam_moments 59.8, master 29.9, .*\) but 96.0 GiB are available; use"):
-        strategy.check_host_memory(trainer, module, data, available=96 * GIB)
+    # a step's pieces, each the largest block's bfloat16 gradient and its flag: 32 blocks and the root's 1.05B in
+    # 7 pieces (head 3, embeddings 3, final norm 1), and two more for the next step's first pieces
+    assert parts["gradient_ring"] == (32 + 7 + 2) * (218_112_000 + 1) * 2
+    assert parts["activations"] == 0 and parts["kept_gradients"] == 0  # clipping keeps no fp32 copy when delayed
+    assert 128 * GIB - sum(parts.values()) >= 30 * GIB
+    with pytest.raises(ValueError, match=r"^SlideFSDP needs 94.4 GiB of host memory per node for 8.03B parameters "
+                                         r"\(master 29.9, adam_moments 29.9, .*\) but 80.0 GiB are available; use"):
+        strategy.check_host_memory(trainer, module, data, available=80 * GIB)
 
 
-def test_a_ring_hands_out_views_of_one_exact_region_and_takes_them_back():
-    ring = host.BufferRing(3, 10, torch.float32, pin=False)
-    assert ring.region.tensor.numel() == 30  # one allocation of exactly count x numel
-    taken = [ring.acquire(7) for _ in range(3)]
-    assert [t.numel() for t in taken] == [7, 7, 7] and len({t.data_ptr() for t in taken}) == 3
-    ring.release(taken[1])
-    again = ring.acquire(10)
-    assert again.data_ptr() == taken[1].data_ptr() and again.numel() == 10
-
-
-def test_a_dev_shm_too_small_for_the_shared_staging_copy_is_refused_before_launch(monkeypatch):
-    strategy, trainer, module, data = _llama_8b_offload()
-    trainer.num_devices = 2  # param_transfer: full with 2 ranks: the node's staging copy is one file in /dev/shm
-    monkeypatch.setattr(host, "shared_memory_free", lambda: 2 * GIB)
-    with pytest.raises(ValueError, match=r"^SlideFSDP needs 15.0 GiB in /dev/shm for the node's shared staging copy, "
-                                         r"2.0 GiB are free; enlarge it \(docker run --shm-size\) or set param_transfer"):
-        strategy.check_host_memory(trainer, module, data, available=512 * GIB)
-    trainer.num_devices = 1  # one process keeps its staging copy in private memory
-    strategy.check_host_memory(trainer, module, data, available=512 * GIB)
-
-
-def test_the_8b_offload_config_with_bfloat16_moments_needs_under_12_gb_per_billion_parameters():
+def test_the_8b_offload_configs_update_moves_24_bytes_per_parameter_delayed_and_20_undelayed():
+    """bfloat16 moments: master (4 + 4), moments (4 + 4) and the bfloat16 gradient read; undelayed the staging row is
+    written from the chunk in cache (2), delayed it is rewritten from the master after the unit's last load of the
+    next step (4 read, 2 written)."""
     from lit_fsdp.commands.estimate import cpu_update_bytes
 
     strategy, trainer, module, data = _llama_8b_offload()
-    strategy.optimizer_state_dtype = "bfloat16"
-    parts = strategy.check_host_memory(trainer, module, data, available=128 * GIB)
-    assert round(parts["adam_moments"] / GIB, 1) == 29.9 and round(sum(parts.values()) / GIB, 1) == 82.6
-    parameters = parts["adam_moments"] // 4
-    assert sum(parts.values()) / parameters < 12  # GB per billion, the runtime allowance included (float32: 15.0)
-    # the update moves 20 B/param instead of 28: the moments are read and written in 2 bytes each instead of 4
     trainer.strategy = strategy
-    assert cpu_update_bytes(trainer, parameters, torch.bfloat16, torch.bfloat16) == parameters * 20
+    assert cpu_update_bytes(trainer, 10**9, torch.bfloat16, torch.bfloat16) == 24 * 10**9
+    strategy.delayed_update, trainer.gradient_clip_val = False, None
+    assert cpu_update_bytes(trainer, 10**9, torch.bfloat16, torch.bfloat16) == 20 * 10**9
 
 
 def _unit(shapes: list[tuple[int, ...]], shards: int = 1, shard_rank: int = 0):
@@ -338,7 +321,7 @@ def test_a_checkpoint_of_float32_moments_resumes_with_bfloat16_moments_rounded_t
         assert torch.equal(loaded[key], saved[key].bfloat16())  # rounded to nearest on the way in
 
 
-def _pipeline(capacity: int, keep: bool, seed: int = 0):
+def _pipeline(capacity: int, keep: bool, seed: int = 0, slots: int = 2):
     """One process's gradient pipeline over a block and a root (3 parameters), its ring buffers holding ``capacity``
     gradient elements (as if its largest block had that many), copies emulated as asynchronous; the master rows start
     from ``seed``."""
@@ -359,7 +342,7 @@ def _pipeline(capacity: int, keep: bool, seed: int = 0):
     for unit in range(len(layouts)):
         state.write_staging(unit)
     state.piece_capacity = capacity
-    state.incoming = host.BufferRing(2, capacity + FLAG_ELEMENTS, torch.bfloat16, pin=False)
+    state.incoming = host.BufferRing(slots, capacity + FLAG_ELEMENTS, torch.bfloat16, pin=False)
     held = torch.optim.AdamW([p for unit in params for p in unit], lr=1e-2)
     adam = cpu_adam.CpuAdam(layouts, state.master, held)
     pipeline = GradientPipeline(layouts, state, adam, Transfers(torch.device("cpu"), emulated_delay_ms=2.0),
@@ -402,15 +385,25 @@ def test_a_root_larger_than_a_ring_buffer_goes_in_pieces_and_lands_as_if_whole(k
             assert all(torch.equal(sa[key], sb[key]) for key in sa)
 
 
-def test_a_delayed_update_applies_each_steps_gradient_and_learning_rate_during_the_next_steps_backward():
-    """``delayed_update`` (DPU): a unit's update of step t runs when its first gradient piece of step t+1 reaches the
-    host, before that piece overwrites the kept buffer, with step t's learning rate; the master then equals the
-    undelayed run's after step t, bit for bit, and what is still waiting at the end is applied by ``run_delayed``."""
-    (undelayed, params), (delayed, _) = _pipeline(128, keep=True), _pipeline(128, keep=True)
+@pytest.mark.parametrize("max_norm", [None, 0.5])
+def test_a_delayed_update_applies_each_steps_clipped_gradient_at_its_learning_rate_during_the_next_step(max_norm):
+    """``delayed_update`` (DPU): a step's gradients wait in their bfloat16 buffers (no fp32 copy), their norm summed as
+    they arrive; at the optimizer step the updates are queued with that step's learning rate and clipping coefficient
+    and run during the next step, master and moments only; a unit's staging rows are rewritten when its next gradient
+    arrives (its last load of the step is over). The master then equals the undelayed run's after step t, bit for bit
+    without clipping and within float32 rounding with it (the coefficient multiplies inside the fused kernel, not the
+    kept fp32 gradient); what is still queued at the end is applied by ``apply_delayed``."""
+    pieces_per_step = 1 + 3 + 1 + 2  # the block, then the root's parameters in pieces of 128 elements
+    (undelayed, params), (delayed, _) = _pipeline(128, keep=True), _pipeline(128, keep=False, slots=pieces_per_step + 2)
+    delayed.delay = delayed.norms = True
     generator = torch.Generator().manual_seed(3)
+    same = torch.equal if max_norm is None else partial(torch.testing.assert_close, rtol=2e-6, atol=1e-7)
+
+    def check(got, want):
+        assert same(got, want) is not False
 
     def send(pipeline, gradients):
-        for unit in (1, 0):
+        for unit in (0, 1)[::-1]:
             for part, members in enumerate(pipeline.parts[unit]):
                 pipeline.reduce_and_offload(unit, part, [gradients[unit][i] for i in members.places], update_now=False)
         pipeline.adam.wait()
@@ -418,35 +411,63 @@ def test_a_delayed_update_applies_each_steps_gradient_and_learning_rate_during_t
     def masters(pipeline):
         return [master.clone() for master in pipeline.host.master]
 
-    initial, after = masters(delayed), []
+    initial, after, staged = masters(delayed), [], []
     for step in range(4):
-        gradients = [[torch.randn(p.shape, generator=generator).bfloat16() for p in unit] for unit in params]
+        gradients = [[torch.randn(p.shape, generator=generator).bfloat16() * (step + 1) for p in unit] for unit in params]
         rate = 1e-2 / (step + 1)
         send(undelayed, gradients)
         undelayed.adam.held.param_groups[0]["lr"] = rate
+        want_norm = undelayed.clip_kept(max_norm, None)
         for unit in undelayed.kept_units():
             undelayed.update(unit)
         after.append(masters(undelayed))
+        staged.append([rows.clone() for rows in undelayed.host.staging])
 
-        send(delayed, gradients)  # applies step - 1's update first
-        want = after[step - 1] if step else initial
-        assert all(torch.equal(a, b) for a, b in zip(masters(delayed), want)), f"step {step}"
+        send(delayed, gradients)  # step - 1's updates ran first; the arrivals rewrote their staging rows
+        for got, want in zip(masters(delayed), after[step - 1] if step else initial):
+            check(got, want)
+        if step:
+            for got, want in zip(delayed.host.staging, staged[step - 1]):
+                check(got, want)
+        assert delayed.host.incoming._free.qsize() == 2  # this step's pieces wait in their buffers
+        torch.testing.assert_close(delayed.delayed_norm(max_norm, None), want_norm, rtol=1e-6, atol=0)
         delayed.adam.held.param_groups[0]["lr"] = rate
-        delayed.run_delayed()
-        delayed.adam.freeze_hyperparameters()
-        delayed.delay_kept()
-        assert delayed.delayed == {0, 1} and delayed.kept_units() == []  # nothing of this step is applied yet
+        delayed.start_delayed()
         delayed.adam.held.param_groups[0]["lr"] = 100.0  # the scheduler moves on: the delayed update keeps its rate
-    delayed.run_delayed()
-    assert not delayed.delayed
+    delayed.apply_delayed()
+    assert not delayed.stale and delayed.host.incoming._free.qsize() == pieces_per_step + 2
     for unit in (0, 1):
-        assert torch.equal(delayed.host.master[unit], undelayed.host.master[unit])
-        assert torch.equal(delayed.host.staging[unit], undelayed.host.staging[unit])
+        check(delayed.host.master[unit], undelayed.host.master[unit])
+        check(delayed.host.staging[unit], undelayed.host.staging[unit])
         for a, b in zip(undelayed.adam.pieces[unit], delayed.adam.pieces[unit]):
             sa, sb = undelayed.adam.optimizers[unit].state[a], delayed.adam.optimizers[unit].state[b]
-            assert all(torch.equal(sa[key], sb[key]) for key in sa)
+            for key in sa:
+                check(sa[key], sb[key])
     undelayed.adam.close()
     delayed.adam.close()
+
+
+def test_gradient_slots_are_one_per_piece_of_a_backward_plus_two_when_delayed_and_too_few_are_refused():
+    """The gradient ring by default holds every piece of a backward (the device never waits for an update to free
+    one); a delayed update holds a step's pieces until the next step, so it gets two more and fewer than a step's
+    pieces and one are refused in one line; a kept fp32 gradient frees each buffer on arrival: max(2, window)."""
+    from offload.host_memory import GradientSlotsError, HostSetup, UnitSize, gradient_slots
+
+    units = [UnitSize(128, 128)] * 3 + [UnitSize(448, 448, (320, 128))]  # the root's parts: 3 and 1 pieces of 128
+
+    def setup(**knobs):
+        return HostSetup.of_knobs(torch.bfloat16, torch.bfloat16, torch.float32, 1, "full", "gpu_reduce",
+                                  knobs.pop("window", 2), knobs.pop("keep", False), **knobs)
+
+    assert gradient_slots(units, setup()) == 3 + 3 + 1
+    assert gradient_slots(units, setup(delayed_update=True, window=3)) == 7 + 3
+    assert gradient_slots(units, setup(keep=True, window=3)) == 3
+    assert gradient_slots(units, setup(gradient_slots=5)) == 5
+    assert gradient_slots(units, setup(delayed_update=True, gradient_slots=8)) == 8
+    with pytest.raises(GradientSlotsError, match=r"^SlideFSDP gradient_slots=7: delayed_update holds one step's 7 "
+                                                 r"gradient pieces until the next step's updates, so it needs at least "
+                                                 r"8; set gradient_slots >= 8, or null to have it chosen$"):
+        gradient_slots(units, setup(delayed_update=True, gradient_slots=7))
 
 
 def test_host_memory_gb_replaces_memavailable_where_a_vm_grants_memory_as_it_is_used(monkeypatch):
@@ -456,13 +477,12 @@ def test_host_memory_gb_replaces_memavailable_where_a_vm_grants_memory_as_it_is_
     from offload import preflight as slide
 
     strategy, trainer, module, data = _llama_8b_offload()
-    strategy.optimizer_state_dtype = "bfloat16"  # 82.6 GiB in all
     monkeypatch.setattr(slide, "available_host_bytes", lambda: 20 * GIB)  # what such a VM reports at start
     with pytest.raises(ValueError, match=r"but 20.0 GiB are available \(MemAvailable; set host_memory_gb on a VM that "
                                          r"grows its memory on demand\); use"):
         strategy.check_host_memory(trainer, module, data)
     strategy.host_memory_gb = 120.0
-    assert round(sum(strategy.check_host_memory(trainer, module, data).values()) / GIB, 1) == 82.6
+    assert round(sum(strategy.check_host_memory(trainer, module, data).values()) / GIB, 1) == 94.4
     strategy.host_memory_gb = 64.0
     with pytest.raises(ValueError, match=r"but 64.0 GiB are allowed by host_memory_gb; use"):
         strategy.check_host_memory(trainer, module, data)

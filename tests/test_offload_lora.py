@@ -132,24 +132,27 @@ def test_the_host_holds_what_the_preflight_and_estimate_count_the_base_once_and_
 
 
 def test_estimate_and_the_tuner_count_an_8b_lora_on_one_h100_as_its_base_in_bfloat16_and_its_adapters():
+    """The shipped 8B config (bfloat16 moments, delayed update with clipping, 64k tokens, no offloaded activations)
+    with LoRA r16: the base has only its bfloat16 copy; the adapters the master, the moments and the gradients."""
     lora = estimate_step(*parse([*LLAMA_8B_SLIDE, "--model.lora", "{rank: 16, alpha: 32}"], H100), H100)
     adapters, parameters = lora["trained_parameters"], lora["parameters"]
     assert adapters == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432) and parameters == 8_030_261_248 + adapters
     host = lora["host_by_buffer"]
     assert host["staging"] == 2 * parameters and host["master"] == 4 * adapters
-    assert host["adam_moments"] == 8 * adapters and host["kept_gradients"] == 0  # no clipping: nothing kept
-    assert lora["host_bytes"] < 23 * GIB and lora["fits"]  # full training: 112.5 GiB (tests/test_offload_host.py)
-    assert lora["cpu_update_bytes"] == 28 * adapters  # AdamW's state 24 B, the bfloat16 gradient and staging row 2 each
-    # only the adapters' bfloat16 gradients go to the host, beside the offloaded activations (and a verdict per block)
-    assert lora["d2h_bytes"] - host["activations"] == pytest.approx(2 * adapters, rel=1e-5)
+    assert host["adam_moments"] == 4 * adapters and host["kept_gradients"] == 0  # delayed: no fp32 copy for clipping
+    assert lora["host_bytes"] < 19 * GIB and lora["fits"]  # full training: 94.4 GiB (tests/test_offload_host.py)
+    # AdamW's master 8 B and bfloat16 moments 8, the bfloat16 gradient 2, the staging row rewritten from the master 6
+    assert lora["cpu_update_bytes"] == 24 * adapters
+    assert host["activations"] == 0 and lora["d2h_bytes"] == pytest.approx(2 * adapters, rel=1e-5)  # the adapters' alone
     # the tuner's filter admits it and counts the same host bytes, from element counts (rows are not padded there)
     shape = ModelShape.of(build_config("llama-8b", {"vocab_size": 128256}), lora={"rank": 16, "alpha": 32})
-    run_shape = RunShape(world_size=1, nodes=1, accelerator="cuda", seq_len=2048, batch_per_process=8, clipping=False)
-    candidate = Candidate(strategy="slide_fsdp", micro_batch=8, param_dtype="bfloat16", activation_checkpointing=1,
-                          activation_offload="cpu")
+    run_shape = RunShape(world_size=1, nodes=1, accelerator="cuda", seq_len=2048, batch_per_process=32, clipping=True,
+                         loss_chunk_tokens=1024, optimizer_state_dtype="bfloat16")  # the model's chunked loss
+    candidate = Candidate(strategy="slide_fsdp", micro_batch=32, param_dtype="bfloat16", activation_checkpointing=1,
+                          delayed_update=True)
     assert MemoryFilter(shape, run_shape, H100, margin=0.1).rejection(candidate) is None
     tuned = estimate(candidate, shape, run_shape).host_per_node
-    assert tuned == pytest.approx(lora["host_bytes"] - host["runtime"], rel=1e-3)
+    assert tuned == pytest.approx(lora["host_bytes"] - host["runtime"], rel=1e-2)
 
 
 def test_lora_is_admitted_on_slide_fsdp_and_refused_in_one_line_on_ddp_and_with_a_float16_base():

@@ -13,8 +13,9 @@ import pytest
 from callbacks.progress_bar import RichBar, shown_metrics
 from callbacks.throughput import RUNNING_KEY
 from lit_fsdp.data import progress, token_cache
+from lit_fsdp.data.corpus import read_documents, read_documents_with_offsets
 from lit_fsdp.data.progress import CorpusProgress, duration
-from lit_fsdp.data.token_cache import build_token_cache, read_documents
+from lit_fsdp.data.token_cache import build_token_cache
 from lit_fsdp.data.tokenizer import train_bpe
 from tests.corpus import articles, datamodule, write_array, write_lines
 from tests.helpers import REPO, run_cli
@@ -96,7 +97,7 @@ def test_token_cache_build_writes_lines_with_documents_and_tokens_and_a_final_li
 
 def test_json_lines_offsets_grow_to_the_file_size(tmp_path):
     path = write_lines(tmp_path / "wiki.jsonl", articles(3))
-    offsets = [offset for _, offset in token_cache.read_documents_with_offsets(path)]
+    offsets = [offset for _, offset in read_documents_with_offsets(path)]
     assert offsets == sorted(offsets) and offsets[-1] == path.stat().st_size
 
 

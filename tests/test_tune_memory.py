@@ -72,21 +72,49 @@ def test_cpu_offload_moves_the_states_to_the_host():
     assert e.model_states == 0 and e.host_per_node == 16 * TINY.parameters // 2 * 2 and e.host_share == 0
 
 
+CAPACITY = piece_capacity([UnitSize.of(BLOCK, 2)], False, 2)  # a ring buffer: a block's shard (2 processes)
+PIECES = LAYERS + math.ceil(math.ceil(ROOT / 2) / CAPACITY)  # one backward's gradient pieces: each block, the root in pieces
+
+
+def ring(slots: int, itemsize: int) -> int:
+    """The node's gradient ring: 2 processes x ``slots`` buffers of a block's shard and its flag."""
+    return 2 * slots * (CAPACITY + 1) * itemsize
+
+
 def test_slide_fsdp_keeps_a_window_on_the_device_and_14_to_20_bytes_per_parameter_and_a_ring_on_the_host():
     m, s = 2, 128
     slide = Candidate(strategy="slide_fsdp", window=2, activation_checkpointing=1, activation_offload="cpu", micro_batch=m)
-    gpu = estimate(slide, TINY, run_shape(accelerator="cuda", batch=m))  # bfloat16, no accumulation, no clipping
+    # bfloat16, no accumulation, no clipping; gradients reduced in float32 (the default, auto, reduces in bfloat16)
+    gpu = estimate(slide, TINY, replace(run_shape(accelerator="cuda", batch=m), reduce_dtype="float32"))
     assert gpu.model_states == 0
     assert gpu.working_set == (2 * BLOCK + ROOT) * 2 + (ROOT + 2 * BLOCK) * 4
     assert gpu.activations == m * s * (8 * HIDDEN + 2 * INNER) * 2  # inputs on the host; one block recomputed
     offloaded_inputs = LAYERS * m * s * HIDDEN * 2 * 2  # per process, 2 processes
-    ring = 2 * 2 * (piece_capacity([UnitSize.of(BLOCK, 2)], False, 2) + 1) * 4  # 2 processes x 2 x (a block's shard + flag)
-    assert gpu.host_per_node == TINY.parameters * (4 + 8 + 2) + ring + offloaded_inputs
-    clipped = estimate(slide, TINY, run_shape(accelerator="cuda", batch=m, clipping=True))
-    assert clipped.host_per_node - gpu.host_per_node == 4 * TINY.parameters  # kept gradients
+    # no kept gradient: a buffer per piece of a backward, so that the backward never waits for an update
+    assert gpu.host_per_node == TINY.parameters * (4 + 8 + 2) + ring(PIECES, 4) + offloaded_inputs
+    auto = estimate(slide, TINY, run_shape(accelerator="cuda", batch=m))  # the ring and in-flight gradients in bfloat16
+    assert gpu.working_set - auto.working_set == (ROOT + 2 * BLOCK) * 2
+    assert gpu.host_per_node - auto.host_per_node == ring(PIECES, 2)
+    # clipping without delayed_update: a kept fp32 gradient takes each piece on arrival; max(2, window) buffers
+    clipped = estimate(slide, TINY, replace(run_shape(accelerator="cuda", batch=m, clipping=True), reduce_dtype="float32"))
+    assert clipped.host_per_node - gpu.host_per_node == 4 * TINY.parameters + ring(2, 4) - ring(PIECES, 4)
     cpu = estimate(slide, TINY, run_shape(accelerator="cpu", batch=4))  # float32 staging, accumulation keeps gradients
-    assert cpu.host_per_node == TINY.parameters * (4 + 8 + 4 + 4) + ring + LAYERS * m * s * HIDDEN * 4 * 2
+    assert cpu.host_per_node == TINY.parameters * (4 + 8 + 4 + 4) + ring(2, 4) + LAYERS * m * s * HIDDEN * 4 * 2
     assert cpu.host_share == cpu.host_per_node // 2  # on a CPU the device is the host
+
+
+def test_a_delayed_update_keeps_no_fp32_gradient_but_its_ring_holds_a_step_of_pieces_and_two_more():
+    m = 2
+    run = replace(run_shape(accelerator="cuda", batch=m, clipping=True), reduce_dtype="float32")
+    synchronous = Candidate(strategy="slide_fsdp", window=2, micro_batch=m)
+    delayed = synchronous.with_knobs({"delayed_update": True})
+    kept = estimate(synchronous, TINY, run)
+    held = estimate(delayed, TINY, run)
+    assert kept.host_per_node == TINY.parameters * (4 + 8 + 2 + 4) + ring(2, 4)  # kept fp32 gradient, 2 buffers
+    assert held.host_per_node == TINY.parameters * (4 + 8 + 2) + ring(PIECES + 2, 4)  # a step's pieces + max(2, window)
+    assert held.device_total == kept.device_total  # the delay changes the host's buffers only
+    wide = estimate(delayed.with_knobs({"window": 3}), TINY, run)  # the next backward's first pieces: max(2, window)
+    assert wide.host_per_node - held.host_per_node == ring(1, 4)
 
 
 def test_calibration_makes_the_measured_trial_exact_and_shifts_the_others_by_the_same_constant():

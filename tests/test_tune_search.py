@@ -90,12 +90,12 @@ def test_judge_flags_numerics_and_memory_so_the_trial_cannot_be_best():
     assert "numerics" not in kinds(REFERENCE)  # the default is its own reference
 
 
-def test_judge_on_failures_and_offload():
+def test_judge_on_failures_and_a_hidden_cpu_update_under_half():
     assert kinds(Trial(DEFAULT, "test", "oom", error="CUDA out of memory")) == ["memory_pressure"]
     assert kinds(Trial(DEFAULT, "test", "timeout", error="timed out after 9 s")) == ["failure"]
     slide = measured(Candidate(strategy="slide_fsdp", micro_batch=8), offload_cpu_update_hidden_share=0.2,
                      offload_cpu_update_ms=40.0)
-    assert kinds(slide)[0] == "offload"
+    assert kinds(slide)[0] == "cpu_update"
 
 
 # --- coder -----------------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from lit_fsdp.data import corpus as corpus_module
 from lit_fsdp.data import token_cache, wikipedia
-from lit_fsdp.data.token_cache import build_token_cache, open_tokens, read_documents, wait_or_build
+from lit_fsdp.data.corpus import read_documents
+from lit_fsdp.data.token_cache import build_token_cache, open_tokens, wait_or_build
 from lit_fsdp.data.tokenizer import train_bpe
 from lit_fsdp.data.wikipedia import WikipediaDataModule
 from tests.corpus import articles, datamodule, write_array, write_lines
@@ -37,7 +39,7 @@ def test_json_array_and_json_lines_give_the_same_tokens(tmp_path, monkeypatch):
         prefixes.append(prefix)
         return real_items(file, prefix, **kwargs)
 
-    monkeypatch.setattr(token_cache.ijson, "items", items)
+    monkeypatch.setattr(corpus_module.ijson, "items", items)
     array = datamodule(write_array(tmp_path / "a.json", articles()), tmp_path / "cache")
     lines = datamodule(write_lines(tmp_path / "b.jsonl", articles()), tmp_path / "cache")
     array.setup("fit")

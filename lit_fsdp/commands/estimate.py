@@ -41,6 +41,7 @@ from lit_fsdp.commands.tune.space import Candidate
 from lit_fsdp.diloco import exchange_bytes, outer_state_bytes
 from offload.host_memory import (FLAG_ELEMENTS, RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, piece_capacity, pieces,
                                   with_runtime)
+from offload.step_time import slide_step_time
 
 
 class _ConfigOnly(LitFsdpCLI):
@@ -185,7 +186,8 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
     written
     (``adamw_state_bytes``), the staging copy written from the chunk in cache (the compute dtype), and the gradient,
     read by AdamW in the dtype it arrives in, or accumulated into the kept fp32 buffer each micro-batch when
-    gradients are kept. The non-finite check is the device's with ``gpu_reduce``; with ``cpu_reduce`` the host
+    gradients are kept. A delayed update cannot write the staging copy while the next step may load it: the unit's
+    rows are rewritten from the master (read again) once it is loaded for the last time. The non-finite check is the device's with ``gpu_reduce``; with ``cpu_reduce`` the host
     reads the gradient once more for it.
     """
     strategy = trainer.strategy
@@ -195,6 +197,8 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
         per += trainer.accumulate_grad_batches * (reduce + 8) + 4
     else:
         per += reduce
+    if strategy.delayed_update:  # the staging row rewritten from the master after the unit's last load of the step
+        per += 4
     if strategy.checks_units_finite(trainer) and strategy.grad_sync == "cpu_reduce":
         per += 4 if strategy.keeps_gradients(trainer) else reduce
     return parameters * per
@@ -268,14 +272,14 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     }
     missing = [name for name, value in times.items() if value is None]
     step_time = bound = mfu = None
+    step_model: dict[str, Any] | None = None
+    efficiency = hardware.compute_efficiency or 1.0
     if not missing:
         step_time = max(times.values())
-        if candidate.strategy == "slide_fsdp":  # the updates overlap a backward (this step's or, delayed, the next's)
-            forward = model_flops / 3 / (peak * 1e12)
-            if strategy.overlaps_updates(trainer):
-                step_time = max(step_time, forward + max(times["compute_s"] - forward, times["cpu_update_s"]))
-            else:  # or follow it
-                step_time = max(step_time, times["compute_s"] + times["cpu_update_s"])
+        if candidate.strategy == "slide_fsdp":
+            slide = slide_step(trainer, units, model_flops, flops, peak * 1e12 * efficiency, times, hardware, compute)
+            step_model = asdict(slide)
+            step_time = max(step_time, slide.step_s)
         bound = max(times, key=times.get).removesuffix("_s")
         mfu = model_flops / (step_time * peak * 1e12)
     device_total, host_total = sum(device.values()), sum(host.values())
@@ -293,8 +297,30 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         "semi_synchronous": bool(getattr(strategy, "sync_every", 0)),
         "cpu_update_bytes": update_bytes, "model_flops": model_flops, "flops": flops, "times": times,
         "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu,
+        "compute_efficiency": hardware.compute_efficiency, "step_model": step_model,
         "checkpoint_bytes": checkpoint.total(weights_only=False), "checkpoint_counted": checkpoint.counted,
     }
+
+
+def slide_step(trainer: RunTrainer, units: list[UnitSize], model_flops: float, flops: float, rate: float,
+               times: dict[str, float], hardware: Hardware, compute: torch.dtype):
+    """SlideFSDP's step as ``offload.step_time`` schedules it, at ``rate`` FLOP/s on the device."""
+    strategy = trainer.strategy
+    forward = model_flops / 3 / rate
+    trained = [unit.trained() for unit in units]
+    total = sum(unit.shard_numel for unit in trained) or 1
+    root = trained[-1]
+    # the last gradients of a backward: the first block's and the root's last part (the embeddings)
+    last = trained[0].shard_numel + (max(root.part_sizes()) if root.part_sizes() else 0)
+    refresh = last * trainer.num_devices * (4 + compute.itemsize) / (hardware.host_memory_gbps * 1e9)
+    if strategy.delayed_update:
+        schedule = "delayed"
+    elif strategy.keeps_gradients(trainer) and strategy.defers_updates(trainer):
+        schedule = "after"
+    else:
+        schedule = "overlapped"
+    return slide_step_time(forward, flops / rate - forward, times["h2d_s"], times["d2h_s"], times["cpu_update_s"],
+                           last / total, refresh, len(units) - 1, trainer.accumulate_grad_batches, schedule)
 
 
 def _gib(value: float) -> str:
@@ -333,6 +359,15 @@ def report(figures: dict[str, Any]) -> str:
     if figures["missing_rates"]:
         lines.append("step time and MFU: unknown; the hardware file lacks the rates for "
                      f"{', '.join(figures['missing_rates'])} (peak_tflops, pcie_gbps, host_memory_gbps, *_node_gbps)")
+    elif figures["step_model"]:
+        model = figures["step_model"]
+        efficiency = figures["compute_efficiency"]
+        at = (f"the device at {efficiency:.0%} of its peak (the hardware file's compute_efficiency)" if efficiency
+              else "the device at its peak (no compute_efficiency in the hardware file): an upper bound")
+        lines.append(f"step ({model['schedule']} update): forward {model['forward_s']:.3f} s, backward "
+                     f"{model['backward_s']:.3f} s, CPU update {model['update_s']:.3f} s of which "
+                     f"{model['exposed_update_s']:.3f} s exposed; step time {figures['step_time_s']:.3f} s, "
+                     f"MFU {figures['mfu']:.1%}, with {at}")
     else:
         lines.append(f"bound: {figures['bound']}; step time >= {figures['step_time_s']:.3f} s; "
                      f"MFU <= {figures['mfu']:.1%} (every rate at its peak: an upper bound)")

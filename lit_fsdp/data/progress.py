@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -41,7 +41,7 @@ class CorpusProgress:
     def __init__(
         self,
         action: str,
-        source: Path,
+        source: Path | Sequence[Path],
         max_documents: int | None = None,
         documents: int = 0,
         tokens: int | None = None,
@@ -50,14 +50,15 @@ class CorpusProgress:
         """
         Args:
             action: What is being done, e.g. ``Tokenizing train.json``; starts every line.
-            source: The file being read; its size is the total.
+            source: The file (or files, read one after the other) being read; their size is the total.
             max_documents: Documents the pass stops after, if it is limited.
             documents: Documents already done when the pass starts (a resumed build).
             tokens: Tokens already done, or None when the pass makes no tokens (BPE training).
             stream: Where to write; default standard error.
         """
         self.action = action
-        self.total_bytes = source.stat().st_size
+        files = [source] if isinstance(source, Path) else source
+        self.total_bytes = sum(file.stat().st_size for file in files)
         self.max_documents = max_documents
         self.documents, self.tokens, self.bytes_read = documents, tokens, 0
         self.stream = stream or sys.stderr

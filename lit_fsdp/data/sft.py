@@ -30,9 +30,10 @@ from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from lit_fsdp.data.blocks import BlockDataModule, ResumableSampler, blocks_per_split
-from lit_fsdp.data.chat import ChatRenderer, read_samples
+from lit_fsdp.data.chat import ChatRenderer, Sample, parse_sample, read_samples
+from lit_fsdp.data.corpus import Corpus, file_records, is_plain_json, open_corpus
 from lit_fsdp.data.progress import CorpusProgress
-from lit_fsdp.data.token_cache import WAIT_TIMEOUT_S, cache_dir_or_default, cache_key, check_corpus_file, wait_or_build
+from lit_fsdp.data.token_cache import WAIT_TIMEOUT_S, cache_dir_or_default, cache_key, wait_or_build
 from lit_fsdp.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 #: Samples rendered and tokenised in one batch while a cache is built.
@@ -46,7 +47,7 @@ _ARRAYS = ("tokens", "targets", "sample_starts", "row_starts", "row_samples", "r
 
 
 def build_sft_cache(
-    directory: Path, source: Path, renderer: ChatRenderer, seq_len: int, packing: bool, too_long: str,
+    directory: Path, source: Corpus, renderer: ChatRenderer, seq_len: int, packing: bool, too_long: str,
     train_on_prompt: bool,
 ) -> dict[str, Any]:
     """Render, tokenise and pack the samples of ``source`` into ``directory``; returns the description for meta.json.
@@ -60,8 +61,8 @@ def build_sft_cache(
     tokens, targets, lengths, total = [], [], [], 0
     counts = {"read": 0, "without_answer": 0, "truncated": 0, "dropped": 0}
     rank_zero_info(f"Rendering {source} into {directory}")
-    with CorpusProgress(f"Rendering {source.name}", source, tokens=0) as shown:
-        for chunk, bytes_read in _chunks(read_samples(source), SAMPLES_PER_CHUNK):
+    with CorpusProgress(f"Rendering {source.name}", source.files, tokens=0) as shown:
+        for chunk, bytes_read in _chunks(read_samples_of(source), SAMPLES_PER_CHUNK):
             answered = [sample for sample in chunk if sample.has_answer]
             counts["read"] += len(chunk)
             counts["without_answer"] += len(chunk) - len(answered)
@@ -106,6 +107,21 @@ def build_sft_cache(
     }
 
 
+def read_samples_of(corpus: Corpus) -> Iterator[tuple[Sample, int]]:
+    """Each sample of the corpus's files in turn, with the bytes of the corpus read so far.
+
+    A plain JSON file is read as ``chat.read_samples`` reads it (its errors name the line); compressed JSON Lines
+    and Parquet rows (a ``messages`` column of ``{role, content}`` lists, or ``prompt`` and ``completion``) through
+    ``corpus.file_records``.
+    """
+    def samples(file: Path) -> Iterator[tuple[Sample, int]]:
+        if is_plain_json(file):
+            return read_samples(file)
+        return ((parse_sample(record, f"{file}: {where}"), read) for where, record, read in file_records(file))
+
+    return corpus.each_file(samples)
+
+
 def _chunks(samples: Iterator[tuple[Any, int]], size: int) -> Iterator[tuple[list[Any], int]]:
     chunk, bytes_read = [], 0
     for sample, bytes_read in samples:
@@ -143,6 +159,12 @@ def first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
             free[node] = max(free[2 * node], free[2 * node + 1])
             node //= 2
     return rows
+
+
+def corpus_sha256(corpus: Corpus) -> str | list[str]:
+    """The SHA-256 of the corpus's one file, or of each of its files."""
+    hashes = [file_sha256(file) for file in corpus.files]
+    return hashes[0] if len(hashes) == 1 else hashes
 
 
 def file_sha256(path: Path) -> str:
@@ -287,7 +309,8 @@ class SFTDataModule(BlockDataModule):
         """
         Args:
             train_path: JSON Lines or JSON array of samples: {"messages": [{"role", "content"}, ...]} with roles
-                system, user and assistant, or {"prompt", "completion"}.
+                system, user and assistant, or {"prompt", "completion"}; also .jsonl.gz, .jsonl.zst, Parquet with
+                those columns, or a folder or glob of such files.
             val_path: Validation samples in the same format; by default the last val_fraction of the training rows.
             tokenizer_path: Local Hugging Face tokenizer folder; by default the tokenizer in --model.pretrained_path
                 (one of the two is required). Its chat template renders the samples, else a plain template.
@@ -330,6 +353,11 @@ class SFTDataModule(BlockDataModule):
     def dataset_name(self) -> str:
         return self.train_path.stem
 
+    @property
+    def chat_template(self) -> str | None:
+        """The template the samples are rendered with (``ChatRenderer.template_identity``); checkpoints record it."""
+        return None if self._tokenizer is None else ChatRenderer(self._tokenizer).template_identity
+
     def setup(self, stage: str) -> None:
         if hasattr(self, "train_set"):
             return
@@ -364,10 +392,10 @@ class SFTDataModule(BlockDataModule):
                              "tokenizer from; give --data.tokenizer_path (a Hugging Face tokenizer folder)")
         return load_tokenizer(pretrained)
 
-    def _cache(self, source: Path, renderer: ChatRenderer, local_rank: int) -> tuple[Path, dict[str, Any]]:
+    def _cache(self, source: Corpus, renderer: ChatRenderer, local_rank: int) -> tuple[Path, dict[str, Any]]:
         settings = {"seq_len": self.seq_len, "packing": self.packing, "too_long": self.too_long,
                     "train_on_prompt": self.train_on_prompt}
-        key = cache_key(source=file_sha256(source), tokenizer=tokenizer_fingerprint(renderer.tokenizer),
+        key = cache_key(source=corpus_sha256(source), tokenizer=tokenizer_fingerprint(renderer.tokenizer),
                         template=renderer.template_identity, version=CACHE_VERSION, **settings)
         directory = self.cache_dir / f"sft-{source.stem}-{key}"
         meta = wait_or_build(directory, lambda folder: build_sft_cache(folder, source, renderer, **settings), local_rank,
@@ -391,5 +419,6 @@ class SFTDataModule(BlockDataModule):
         return StepTargetSampler(dataset, world, rank, self.seed, shuffle, self.batch_size, accumulate, micro_batches)
 
 
-def _check_samples_file(path: str, flag: str) -> Path:
-    return check_corpus_file(path, flag, records="samples", listed="a JSON Lines file or JSON array", objects="samples")
+def _check_samples_file(path: str, flag: str) -> Corpus:
+    return open_corpus(path, flag, text_field=None, records="samples", listed="a JSON Lines file or JSON array",
+                       objects="samples")

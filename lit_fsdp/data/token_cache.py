@@ -1,4 +1,4 @@
-"""Stream documents out of Wikipedia-style JSON files and tokenise them once into a memory-mapped cache.
+"""Tokenise a corpus's documents (``lit_fsdp.data.corpus``) once into a memory-mapped cache.
 
 A cache is a folder holding ``tokens.bin`` (every document's token ids, with the eos id between documents),
 ``progress.json`` (how many documents and tokens of ``tokens.bin`` are durable) and ``meta.json`` (written
@@ -22,148 +22,56 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import ijson
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 from transformers import PreTrainedTokenizerBase
 
+from lit_fsdp.data.corpus import Corpus
 from lit_fsdp.data.progress import CorpusProgress
 from lit_fsdp.data.tokenizer import encode_documents, tokenizer_fingerprint
 
-#: Characters of documents tokenised and committed together: this bounds the memory the tokenizer's output
-#: takes (about 50 MB per million characters) and the work a killed build redoes.
+#: Characters of documents committed together (written, synced, recorded in progress.json): the most work a killed
+#: build redoes. A chunk's texts and tokens are held until then, a few bytes a character.
 CHARACTERS_PER_CHUNK = 4_000_000
+#: Characters of documents encoded in one batch: bounds the memory the tokenizer's output takes (about 50 bytes a
+#: character, as Rust encodings and then Python lists) while leaving each batch enough documents for every core.
+CHARACTERS_PER_BATCH = 500_000
 
 _TOKENS, _PROGRESS, _META, _FAILED, _LOCK, _HEARTBEAT = "tokens.bin", "progress.json", "meta.json", "failed", "lock", "heartbeat"
-
-
-# ---------------------------------------------------------------------------------------------------- reading
-
-
-def check_corpus_file(path: str | Path, flag: str, records: str = "articles", listed: str = "a JSON array or JSON Lines file",
-                      objects: str = "objects") -> Path:
-    """The absolute path of a corpus file, after a cheap check that it exists and starts like JSON.
-
-    Called when the DataModule is built, so a bad path fails before any worker process starts. ``records``,
-    ``listed`` and ``objects`` say in the messages what the file holds (the fine-tuning samples say "samples").
-    """
-    path = Path(path).expanduser().absolute()
-    if not path.is_file():
-        raise FileNotFoundError(f"{flag} {path}: no such file; give {listed} of {records}")
-    first = first_char(path)
-    if first not in ("[", "{"):
-        found = "it is empty" if first is None else f"it starts with {first!r}"
-        raise ValueError(
-            f"{flag} {path}: {found}, but a JSON array ('[') or JSON Lines of {objects} ('{{') was expected"
-        )
-    return path
-
-
-def first_char(path: Path) -> str | None:
-    """The first non-blank character of a file (``[`` for a JSON array, ``{`` for JSON Lines), None when blank."""
-    with open(path, "rb") as file:
-        while chunk := file.read(4096):
-            stripped = chunk.lstrip()
-            if stripped:
-                return stripped[:1].decode("latin-1")
-    return None
-
-
-def read_documents(path: Path, max_documents: int | None = None) -> Iterator[str]:
-    """Each record's ``title + "\\n" + text`` (the first ``max_documents``), streamed from a JSON array or JSON Lines.
-
-    The format is told by the first non-blank character. Nothing but the current record is held in
-    memory, so multi-GB dumps are fine.
-    """
-    return (text for text, _ in read_documents_with_offsets(path, max_documents))
-
-
-def read_documents_with_offsets(path: Path, max_documents: int | None = None) -> Iterator[tuple[str, int]]:
-    """``read_documents`` paired with how many bytes of the file have been read so far (for progress)."""
-    records = _array_records(path) if first_char(path) == "[" else _line_records(path)
-    for where, record, offset in itertools.islice(records, max_documents):
-        text = record.get("text") if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            raise ValueError(f"{path}: {where} has no string 'text' field; every article needs one")
-        title = record.get("title")
-        yield (f"{title}\n{text}" if title else text), offset
-
-
-def _array_records(path: Path) -> Iterator[tuple[str, Any, int]]:
-    with open(path, "rb") as file:
-        index = 0  # of the record being parsed; after the last one, an error is trailing garbage
-        try:
-            for record in ijson.items(file, "item"):
-                yield f"record {index}", record, file.tell()
-                index += 1
-        except ijson.JSONError as error:
-            # ijson reads in 64 KiB buffers, so the byte offset is where the parser stopped, not the exact byte.
-            raise ValueError(
-                f"{path}: malformed JSON in record {index} (parser stopped at byte {file.tell()}): {_first_line(error)}"
-            ) from None
-
-
-def _line_records(path: Path) -> Iterator[tuple[str, Any, int]]:
-    with open(path, "rb") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                reason = _first_line(error)
-                raise ValueError(
-                    f"{path}: malformed JSON on line {number} ({reason}); JSON Lines needs one object per line"
-                ) from None
-            yield f"line {number}", record, file.tell()
-
-
-def _first_line(error: Exception) -> str:
-    reason = error.args[0] if error.args else ""
-    # The yajl backend reports some errors as bytes, and its messages go on to draw a multi-line caret.
-    text = reason.decode("utf-8", "replace") if isinstance(reason, bytes) else str(reason)
-    lines = text.strip().splitlines()
-    return lines[0] if lines else type(error).__name__
-
-
-def source_identity(path: Path) -> dict[str, Any]:
-    """What identifies a source file's content cheaply: its absolute path, size and modification time."""
-    stat = path.stat()
-    return {"path": str(path.absolute()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 # ---------------------------------------------------------------------------------------------------- building
 
 
 def build_token_cache(
-    directory: Path, source: Path, tokenizer: PreTrainedTokenizerBase, max_documents: int | None = None
+    directory: Path, source: Corpus | Path, tokenizer: PreTrainedTokenizerBase, max_documents: int | None = None
 ) -> dict[str, Any]:
     """Tokenise the first ``max_documents`` documents of ``source`` into ``directory``, resuming a killed build.
 
-    Rank 0 shows its progress (``CorpusProgress``). Returns the cache's description for ``meta.json``;
-    finalizing is ``wait_or_build``'s job.
+    Documents are encoded ``CHARACTERS_PER_BATCH`` at a time by the fast tokenizer's batch encoding (Rust threads on
+    every core), and committed to ``progress.json`` ``CHARACTERS_PER_CHUNK`` at a time once their tokens are on disk,
+    so a resumed build skips the committed documents (whole Parquet row groups unread) and ends with the same tokens
+    as an uninterrupted one. Memory depends on those two sizes, not on the corpus's. Rank 0 shows its progress
+    (``CorpusProgress``). Returns the cache's description for ``meta.json``; finalizing is ``wait_or_build``'s job.
     """
+    corpus = Corpus.of(source)
     directory.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(np.uint16 if len(tokenizer) <= 2**16 else np.uint32)
     progress = _read_json(directory / _PROGRESS) or {"documents": 0, "tokens": 0}
     done, committed = progress["documents"], progress["tokens"]
-    documents = itertools.islice(read_documents_with_offsets(source, max_documents), done, None)
-    rank_zero_info(f"Tokenizing {source} into {directory}" + (f", resuming after {done} documents" if done else ""))
+    documents = corpus.documents(max_documents, skip=done)
+    rank_zero_info(f"Tokenizing {corpus} into {directory}" + (f", resuming after {done} documents" if done else ""))
 
     (directory / _TOKENS).touch()
     with (
         open(directory / _TOKENS, "r+b") as file,
-        CorpusProgress(f"Tokenizing {source.name}", source, max_documents, documents=done, tokens=committed) as shown,
+        CorpusProgress(f"Tokenizing {corpus.name}", corpus.files, max_documents, documents=done, tokens=committed) as shown,
     ):
         # Bytes past the last commit belong to a chunk whose documents will be tokenised again.
         file.truncate(committed * dtype.itemsize)
         file.seek(0, os.SEEK_END)
         for chunk, bytes_read in _chunks(documents, CHARACTERS_PER_CHUNK):
-            ids = encode_documents(tokenizer, chunk)
-            # The eos id goes before every document but the first, so a chunk's tokens depend only on
-            # its own documents and their position in the corpus.
-            pieces = [[tokenizer.eos_token_id, *doc] if done + i else doc for i, doc in enumerate(ids)]
-            tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype)
+            tokens = _chunk_tokens(tokenizer, chunk, done, dtype)
             file.write(tokens.tobytes())
             file.flush()
             os.fsync(file.fileno())
@@ -171,8 +79,23 @@ def build_token_cache(
             _write_json(directory / _PROGRESS, {"documents": done, "tokens": committed})
             shown.update(done, bytes_read, committed)
         if committed == 0:
-            raise ValueError(f"{source}: the corpus is empty ({done} documents, no tokens); give a file with article text")
-    return {"source": source_identity(source), "documents": done, "tokens": committed, "dtype": dtype.name}
+            raise ValueError(f"{corpus}: the corpus is empty ({done} documents, no tokens); give a file with article text")
+    return {"source": corpus.identity(), "documents": done, "tokens": committed, "dtype": dtype.name}
+
+
+def _chunk_tokens(tokenizer: PreTrainedTokenizerBase, chunk: list[str], first: int, dtype: np.dtype) -> np.ndarray:
+    """The tokens of documents ``first, first + 1, ...`` of the corpus, encoded ``CHARACTERS_PER_BATCH`` at a time.
+
+    The eos id goes before every document but the corpus's first, so a chunk's tokens depend only on its own
+    documents and their position in the corpus.
+    """
+    eos, pieces = np.array([tokenizer.eos_token_id], dtype=dtype), []
+    for batch, _ in _chunks(zip(chunk, itertools.repeat(0)), CHARACTERS_PER_BATCH):
+        for ids in encode_documents(tokenizer, batch):
+            if pieces or first:
+                pieces.append(eos)
+            pieces.append(np.array(ids, dtype=dtype))
+    return np.concatenate(pieces) if pieces else np.empty(0, dtype)
 
 
 def _chunks(documents: Iterable[tuple[str, int]], characters: int) -> Iterator[tuple[list[str], int]]:
@@ -377,15 +300,16 @@ def cache_key(**parts: Any) -> str:
 
 
 def cached_tokens(
-    source: Path, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, max_documents: int | None = None, local_rank: int = 0,
-    wait_timeout_s: float = WAIT_TIMEOUT_S,
+    source: Corpus | Path, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, max_documents: int | None = None,
+    local_rank: int = 0, wait_timeout_s: float = WAIT_TIMEOUT_S,
 ) -> MappedTokens:
-    """The token stream of ``source``, built once into ``cache_dir`` (keyed by the file, tokenizer and ``max_documents``).
+    """The token stream of ``source``, built once into ``cache_dir`` (keyed by the files, tokenizer and ``max_documents``).
 
     The stream does not depend on the sequence length, so ``fit`` and ``evaluate`` with any ``seq_len`` share it.
     """
-    key = cache_key(source=source_identity(source), tokenizer=tokenizer_fingerprint(tokenizer), max_documents=max_documents)
-    directory = cache_dir / f"tokens-{source.stem}-{key}"
-    build = partial(build_token_cache, source=source, tokenizer=tokenizer, max_documents=max_documents)
+    corpus = Corpus.of(source)
+    key = cache_key(source=corpus.identity(), tokenizer=tokenizer_fingerprint(tokenizer), max_documents=max_documents)
+    directory = cache_dir / f"tokens-{corpus.stem}-{key}"
+    build = partial(build_token_cache, source=corpus, tokenizer=tokenizer, max_documents=max_documents)
     wait_or_build(directory, build, local_rank, timeout_s=wait_timeout_s)
     return open_tokens(directory)

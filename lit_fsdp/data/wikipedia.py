@@ -1,7 +1,8 @@
-"""Wikipedia-style articles as training data: a JSON array or JSON Lines file of ``{"id", "title", "text"}``.
+"""Wikipedia-style articles as training data: records with a ``text`` (and optionally a ``title``) in JSON, JSON Lines
+(plain, ``.gz``, ``.zst``) or Parquet files, or a folder or glob of them (``lit_fsdp.data.corpus``).
 
-The tokenizer (a local Hugging Face folder, or a byte-level BPE trained on the training file) and each
-file's token stream are built once into ``cache_dir`` and reused by every later run with the same inputs.
+The tokenizer (a local Hugging Face folder, or a byte-level BPE trained on the training corpus) and each
+corpus's token stream are built once into ``cache_dir`` and reused by every later run with the same inputs.
 """
 
 from __future__ import annotations
@@ -14,18 +15,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from transformers import PreTrainedTokenizerBase
 
 from lit_fsdp.data.blocks import BlockDataModule, TokenBlocks, blocks_per_split
+from lit_fsdp.data.corpus import Corpus, open_corpus
 from lit_fsdp.data.progress import CorpusProgress
-from lit_fsdp.data.token_cache import (
-    WAIT_TIMEOUT_S,
-    MappedTokens,
-    cache_dir_or_default,
-    cache_key,
-    cached_tokens,
-    check_corpus_file,
-    read_documents_with_offsets,
-    source_identity,
-    wait_or_build,
-)
+from lit_fsdp.data.token_cache import WAIT_TIMEOUT_S, MappedTokens, cache_dir_or_default, cache_key, cached_tokens, wait_or_build
 from lit_fsdp.data.tokenizer import load_tokenizer, train_bpe
 
 
@@ -40,6 +32,7 @@ class WikipediaDataModule(BlockDataModule):
         self,
         train_path: str,
         val_path: str | None = None,
+        text_field: str = "text",
         tokenizer_path: str | None = None,
         vocab_size: int = 8192,
         seq_len: int = 256,
@@ -53,8 +46,10 @@ class WikipediaDataModule(BlockDataModule):
     ):
         """
         Args:
-            train_path: JSON array or JSON Lines file of {"id", "title", "text"} articles to train on.
-            val_path: Validation articles in the same format; by default the last val_fraction of the training blocks.
+            train_path: Articles to train on: a JSON array or JSON Lines file of {"title", "text"} records (also
+                .jsonl.gz, .jsonl.zst), a Parquet file, or a folder or glob of such files (Parquet shards as downloaded).
+            val_path: Validation articles in the same formats; by default the last val_fraction of the training blocks.
+            text_field: The field (JSON) or column (Parquet) holding each article's text; a "title" is put before it.
             tokenizer_path: Local Hugging Face tokenizer folder; by default a byte-level BPE is trained on train_path.
             vocab_size: Vocabulary size of the trained BPE, eos included (ignored with tokenizer_path).
             seq_len: Tokens per training sequence.
@@ -68,8 +63,10 @@ class WikipediaDataModule(BlockDataModule):
             num_workers: DataLoader worker processes.
         """
         super().__init__(seq_len=seq_len, batch_size=batch_size, seed=seed, num_workers=num_workers)
-        self.train_path = check_corpus_file(train_path, "--data.train_path")
-        self.val_path = None if val_path is None else check_corpus_file(val_path, "--data.val_path")
+        if not text_field:
+            raise ValueError("--data.text_field is empty; give the name of the field or column holding the text")
+        self.train_path = open_corpus(train_path, "--data.train_path", text_field)
+        self.val_path = None if val_path is None else open_corpus(val_path, "--data.val_path", text_field)
         if tokenizer_path is not None and not Path(tokenizer_path).expanduser().is_dir():
             raise FileNotFoundError(
                 f"--data.tokenizer_path {tokenizer_path}: no such folder; give a local Hugging Face tokenizer folder, "
@@ -125,7 +122,7 @@ class WikipediaDataModule(BlockDataModule):
         if self.tokenizer_path is not None:
             return load_tokenizer(self.tokenizer_path)
         key = cache_key(
-            source=source_identity(self.train_path), vocab_size=self.bpe_vocab_size, max_documents=self.max_documents
+            source=self.train_path.identity(), vocab_size=self.bpe_vocab_size, max_documents=self.max_documents
         )
         directory = self.cache_dir / f"tokenizer-{self.train_path.stem}-{key}"
         wait_or_build(directory, self._train_tokenizer, local_rank, timeout_s=self.wait_timeout_s)
@@ -133,14 +130,14 @@ class WikipediaDataModule(BlockDataModule):
 
     def _train_tokenizer(self, directory: Path) -> dict[str, Any]:
         rank_zero_info(f"Training a byte-level BPE of {self.bpe_vocab_size} tokens on {self.train_path}")
-        documents = read_documents_with_offsets(self.train_path, self.max_documents)
-        with CorpusProgress(f"Training the BPE on {self.train_path.name}", self.train_path, self.max_documents) as shown:
+        documents = self.train_path.documents(self.max_documents)
+        with CorpusProgress(f"Training the BPE on {self.train_path.name}", self.train_path.files, self.max_documents) as shown:
             tokenizer = train_bpe(shown.track(documents), self.bpe_vocab_size)
         tokenizer.save_pretrained(directory)
-        return {"source": source_identity(self.train_path), "vocab_size": len(tokenizer)}
+        return {"source": self.train_path.identity(), "vocab_size": len(tokenizer)}
 
 
-def _blocks(source: Path, tokens: MappedTokens, seq_len: int, first: int = 0, count: int | None = None) -> TokenBlocks:
+def _blocks(source: Corpus, tokens: MappedTokens, seq_len: int, first: int = 0, count: int | None = None) -> TokenBlocks:
     try:
         return TokenBlocks(tokens, seq_len, first, count)
     except ValueError as error:

@@ -13,11 +13,16 @@ turns (each finding's first move, in the Judge's order, then each one's second, 
   next to the memory), FSDP2 instead of offload, a wider SlideFSDP window;
 - ``host_overhead``: a bigger micro-batch, larger units, compiled blocks (GPUs);
 - ``compute``: bfloat16 and compiled blocks on GPUs, less recompute, a bigger micro-batch;
-- ``offload``: a wider window, the other transfer and reduction paths, no activation offload;
+- ``cpu_update`` (SlideFSDP's CPU AdamW update gates the device): ``delayed_update`` (the update of a step runs
+  during the whole next step's forward and backward, not in its backward alone; it cannot accumulate, so a
+  micro-batch under the batch per process becomes the whole batch in the same move), then a bigger micro-batch
+  (more tokens per step amortise the update, whose time does not grow with them), then a wider window, the other
+  transfer and reduction paths, no activation offload;
 - ``numerics``: back to exact gradients and float32;
-- ``failure``: back from compilation and offload.
+- ``failure``: back from compilation, offload and the delayed update.
 
-Moves with a value the search space does not allow are dropped; the Controller drops repeats and what cannot run.
+A move that would make a delayed update accumulate (a smaller micro-batch) turns the delayed update off. Moves
+with a value the search space does not allow are dropped; the Controller drops repeats and what cannot run.
 """
 
 from __future__ import annotations
@@ -128,8 +133,12 @@ class Coder:
             self._next("micro_batch", base.micro_batch, up=True),
         ]
 
-    def offload(self, base: Candidate) -> list[Move]:
+    def cpu_update(self, base: Candidate) -> list[Move]:
+        whole = self.run.batch_per_process
+        delayed = {"delayed_update": True, **({"micro_batch": whole} if base.micro_batch < whole else {})}
         return [
+            self._slide(base, {} if base.delayed_update else delayed),
+            self._next("micro_batch", base.micro_batch, up=True),
             self._next("window", base.window, up=True),
             self._other("param_transfer", base.param_transfer),
             self._other("grad_sync", base.grad_sync),
@@ -141,7 +150,15 @@ class Coder:
 
     def failure(self, base: Candidate) -> list[Move]:
         return [self._set("compile_blocks", False, base.compile_blocks), self._set("cpu_offload", False, base.cpu_offload),
+                self._slide(base, self._set("delayed_update", False, base.delayed_update)),
                 self._slide(base, {"strategy": "fsdp2"})]
+
+    def _runnable(self, base: Candidate, move: Move) -> Move:
+        """``move``, with the delayed update turned off where the move would make it accumulate (it cannot)."""
+        moved = base.with_knobs(move)
+        if moved.strategy == "slide_fsdp" and moved.delayed_update and moved.micro_batch < self.run.batch_per_process:
+            return {**move, "delayed_update": False}
+        return move
 
     # --- proposals -------------------------------------------------------------------------------
 
@@ -150,10 +167,12 @@ class Coder:
         moves: dict[str, Callable[[Candidate], list[Move]]] = {
             "communication": self.communication, "memory_pressure": self.memory_pressure,
             "memory_headroom": self.memory_headroom, "host_overhead": self.host_overhead, "compute": self.compute,
-            "offload": self.offload, "numerics": self.numerics, "failure": self.failure,
+            "cpu_update": self.cpu_update, "numerics": self.numerics, "failure": self.failure,
         }
-        per_finding = [[(finding, move) for move in moves[finding.kind](base)
-                        if move and all(value in self.allowed[name] for name, value in move.items())] for finding in findings]
+        runnable = [[self._runnable(base, move) for move in moves[finding.kind](base) if move] for finding in findings]
+        per_finding = [[(finding, move) for move in finding_moves
+                        if all(value in self.allowed[name] for name, value in move.items())]
+                       for finding, finding_moves in zip(findings, runnable)]
         proposals: dict[str, Proposal] = {}
         # In turns: each finding's best move before any finding's second, so that one finding's list does not
         # use up the trials (a new best re-plans anyway).

@@ -31,6 +31,7 @@ from lit_fsdp.commands.tune.memory import MemoryFilter, ModelShape
 from lit_fsdp.commands.tune.report import PLOT, append_trial, write_best, write_report
 from lit_fsdp.commands.tune.space import COMMON_KNOBS, STRATEGY_CLASSES, STRATEGY_KNOBS, Candidate, RunShape, SearchSpace
 from lit_fsdp.commands.tune.trials import TrialRunner, TrialSchedule
+from offload.strategy import SlideFSDPStrategy
 
 OUTPUTS = ("trials.jsonl", "best.yaml", "report.md", "summary.json", PLOT, "trials")  # what a new search in OUT replaces
 
@@ -136,6 +137,8 @@ def run_shape(trainer: pl.Trainer, module: Any, data: Any, hardware: Hardware) -
                    clipping=bool(trainer.gradient_clip_val),
                    loss_chunk_tokens=getattr(module.hparams, "loss_chunk_tokens", 0),
                    optimizer_state_dtype=getattr(trainer.strategy, "optimizer_state_dtype", "float32"),
+                   # SlideFSDP's; a SlideFSDP candidate from FSDP2 configs gets the strategy's default
+                   reduce_dtype=trainer.strategy.reduce_dtype if isinstance(trainer.strategy, SlideFSDPStrategy) else "auto",
                    outer=trainer.strategy.outer if getattr(trainer.strategy, "sync_every", 0) else None)
     if accelerator != hardware.accelerator:
         raise ValueError(f"the configs train on {accelerator} but the hardware is {hardware.accelerator}; "
@@ -146,8 +149,9 @@ def run_shape(trainer: pl.Trainer, module: Any, data: Any, hardware: Hardware) -
     return run
 
 
-def strategy_validator(trainer: pl.Trainer, module: pl.LightningModule, base: dict[str, Any]):
-    """A function that builds a candidate's strategy and runs its preflight (constructor checks, mesh, host memory)."""
+def strategy_validator(trainer: pl.Trainer, module: pl.LightningModule, base: dict[str, Any], run: RunShape):
+    """A function that builds a candidate's strategy and runs its preflight (constructor checks, mesh, host memory)
+    with the candidate's gradient accumulation (what a delayed update refuses, and what keeps gradients on the host)."""
     base_class, base_args = base.get("class_path"), {k: v for k, v in (base.get("init_args") or {}).items() if k != "comm_hook"}
 
     def validate(candidate: Candidate) -> str | None:
@@ -161,7 +165,12 @@ def strategy_validator(trainer: pl.Trainer, module: pl.LightningModule, base: di
             # What the trainer's accelerator connector gives a strategy: its devices (resolve_dtype reads them).
             strategy.parallel_devices = trainer.strategy.parallel_devices
             strategy.cluster_environment = trainer.strategy.cluster_environment
-            strategy.preflight(trainer, module)
+            configs_accumulation = trainer.accumulate_grad_batches
+            trainer.accumulate_grad_batches = run.batch_per_process // candidate.micro_batch
+            try:
+                strategy.preflight(trainer, module)
+            finally:
+                trainer.accumulate_grad_batches = configs_accumulation
         except (ValueError, TypeError) as error:
             return f"invalid: {str(error).splitlines()[0]}"
         return None
@@ -203,7 +212,7 @@ def main(argv: Sequence[str]) -> None:
     default = default_candidate(trainer, data)
     data.setup("fit")  # tokenizer and token cache built once, here: no trial's deadline pays for them
     allowed = options.space.resolve(run)
-    validate = strategy_validator(trainer, module, base)
+    validate = strategy_validator(trainer, module, base, run)
     if (reason := validate(default)) is not None:
         raise ValueError(f"the configs' own strategy setting cannot run: {reason}")
     model = ModelShape.of(module.hf_config(datamodule=data), getattr(trainer.strategy, "block_class", None),

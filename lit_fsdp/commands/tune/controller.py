@@ -1,7 +1,8 @@
 """The Controller: runs the search within its budget, one trial at a time, and never the same candidate twice.
 
 It starts with the default (the configs as given: the reference for speed and losses) and, when the
-default's micro-batch is not 1, the default at micro-batch 1. The first measured trial calibrates the
+default's micro-batch is not 1, the default at micro-batch 1 (without SlideFSDP's delayed update, which cannot
+accumulate). The first measured trial calibrates the
 memory filter, and the micro-batch-1 trial calibrates it again (its activations are the smallest, so
 the constant is least confounded with them). Then, until the trial budget, the time budget or ``patience`` trials without a gain
 end it, it takes the next proposal (the LLM adviser's first, if there is one, then the Coder's from
@@ -182,7 +183,8 @@ class Controller:
         default = self.search.default
         queue = deque([Proposal(default, "default")])
         if default.micro_batch != 1 and 1 in self.search.allowed["micro_batch"]:
-            queue.append(Proposal(default.with_knobs({"micro_batch": 1}), "calibration"))
+            # a delayed update cannot accumulate; it changes the host's buffers only, not what is calibrated
+            queue.append(Proposal(default.with_knobs({"micro_batch": 1, "delayed_update": False}), "calibration"))
         try:
             while (stop := self.stop_reason()) is None:
                 if not queue:

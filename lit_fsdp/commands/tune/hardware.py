@@ -47,6 +47,9 @@ class Hardware:
     """host-device copy bandwidth of one device per direction, pinned memory, in GB/s (null: unknown)"""
     host_memory_gbps: float | None = None
     """host memory bandwidth the CPU updates of one node reach, in GB/s (null: unknown)"""
+    compute_efficiency: float | None = None
+    """share of peak_tflops a transformer's forward and backward reach on one device, as measured (e.g. by
+    scripts/gpu_check.py); null: the peak, and estimate's step time is a bound"""
 
     def memory_per_process_gb(self, processes_per_node: int) -> float:
         """The device memory one process has: a device's, or its share of one when processes outnumber devices."""
@@ -71,6 +74,10 @@ class Hardware:
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{where}: {name} must be a number > 0, got {value!r}")
+        efficiency = self.compute_efficiency
+        if efficiency is not None and (not isinstance(efficiency, (int, float)) or isinstance(efficiency, bool)
+                                       or not 0 < efficiency <= 1):
+            raise ValueError(f"{where}: compute_efficiency must be a number in (0, 1], or null, got {efficiency!r}")
         if not isinstance(self.peak_tflops, dict):
             raise ValueError(f"{where}: peak_tflops must be an object like {{\"bf16\": 989.5}}, got {self.peak_tflops!r}")
         for key, value in self.peak_tflops.items():

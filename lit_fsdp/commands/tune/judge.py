@@ -8,7 +8,9 @@ Each rule reads one kind of evidence and returns a ``Finding`` or nothing:
 - ``numerics``: the validation loss after the trial's steps, or (at the default's micro-batch) the
   training loss of a step, differs from the default's beyond the tolerance, or a loss is not finite
   (a lossy compressor, a too-narrow dtype): the trial is flagged and cannot be the best;
-- ``offload``: SlideFSDP's CPU AdamW update is mostly not hidden behind the backward;
+- ``cpu_update``: SlideFSDP's CPU AdamW update gates the device: the device waits for it (idle inside the
+  backward for a gradient buffer, or the optimizer step waiting for the update) 10% of the step or more, or
+  under half of it is hidden behind the device's compute;
 - ``communication``: collectives not overlapped with compute take a sizeable share of the step;
 - ``host_overhead``: the step has time with neither compute nor communication (Python, kernel
   launches, data loading): on a CPU, the share of the step outside any ATen op;
@@ -30,6 +32,7 @@ EXPOSED_COMM_SHARE = 0.10
 IDLE_SHARE = 0.25
 HEADROOM = 0.50
 HIDDEN_UPDATE_SHARE = 0.50
+EXPOSED_UPDATE_SHARE = 0.10  # of the step, the device waiting for the CPU update (issue 35's target)
 
 
 @dataclass(frozen=True)
@@ -94,12 +97,22 @@ def _numerics(trial: Trial, evidence: Evidence) -> Finding | None:
     return None
 
 
-def _offload(trial: Trial, evidence: Evidence) -> Finding | None:
-    hidden = trial.offload_cpu_update_hidden_share
-    if trial.candidate.strategy != "slide_fsdp" or hidden is None or hidden >= HIDDEN_UPDATE_SHARE:
+def _cpu_update(trial: Trial, evidence: Evidence) -> Finding | None:
+    if trial.candidate.strategy != "slide_fsdp" or trial.offload_cpu_update_ms is None:
         return None
-    return Finding("offload", f"only {hidden:.0%} of the CPU AdamW update ({trial.offload_cpu_update_ms or 0:.0f} ms) "
-                              "is hidden behind the backward")
+    hidden, step = trial.offload_cpu_update_hidden_share, trial.step_time_ms_p50
+    idle, wait = trial.offload_device_idle_ms or 0.0, trial.offload_update_wait_ms or 0.0
+    waiting = idle + wait
+    exposed = bool(step) and waiting / step >= EXPOSED_UPDATE_SHARE
+    if not exposed and (hidden is None or hidden >= HIDDEN_UPDATE_SHARE):
+        return None
+    shares = f"{hidden:.0%} of it hidden" if hidden is not None else "its hidden share unknown"
+    if trial.offload_cpu_update_hideable_share is not None:
+        shares += f", at most {trial.offload_cpu_update_hideable_share:.0%} hideable under the device's backward"
+    waits = (f"; the device waits for it {waiting:.0f} ms of the {step:.0f} ms step ({waiting / step:.0%}: idle in the "
+             f"backward {idle:.0f} ms, at the optimizer step {wait:.0f} ms)" if step else "")
+    return Finding("cpu_update", f"the CPU AdamW update ({trial.offload_cpu_update_ms:.0f} ms, {shares}) gates the "
+                                 f"device{waits}")
 
 
 def _communication(trial: Trial, evidence: Evidence) -> Finding | None:
@@ -137,7 +150,7 @@ def _compute(trial: Trial, evidence: Evidence) -> Finding | None:
 
 
 RULES: list[Callable[[Trial, Evidence], Finding | None]] = [
-    _failure, _memory_pressure, _numerics, _offload, _communication, _host_overhead, _memory_headroom, _compute,
+    _failure, _memory_pressure, _numerics, _cpu_update, _communication, _host_overhead, _memory_headroom, _compute,
 ]
 
 

@@ -14,7 +14,7 @@ r = 4 bytes per reduced gradient value):
   units are resharded after forward (FULL_SHARD, HYBRID_SHARD), every block otherwise; plus a unit's
   and the root's unsharded gradients and their reduce buffers, (p + r) each (with LoRA: of their adapters
   only). SlideFSDP: ``window`` blocks and the root in p bytes, the root's gradients and two blocks of
-  gradients in r bytes (with LoRA: of their adapters only).
+  gradients in r bytes (with LoRA: of their adapters only), r its reduce dtype's (``auto``: p).
 - **activations**: per block (8h + 2i) x m x s values (8h + 4i for gated MLPs: Llama), the tensors
   autograd keeps (Korthikanti et al. 2022 without dropout masks; attention's s x s scores are not
   kept by SDPA); a checkpointed block keeps only its input (h x m x s) and one block's activations
@@ -38,8 +38,10 @@ r = 4 bytes per reduced gradient value):
   CPU the whole process: interpreter, libraries, data): measured peak minus the analytic sum.
 
 Per node on the host: SlideFSDP's buffers as ``offload.host_memory`` counts them for its preflight (14-18
-bytes per parameter, the gradient ring and offloaded activations; SlideFSDP's default float32 reduce; with LoRA the
-frozen base's p bytes, and the 14-18 for the adapters only), or
+bytes per parameter, the gradient ring and offloaded activations, in the configs' reduce dtype; with LoRA the
+frozen base's p bytes, and the 14-18 for the adapters only): a kept fp32 gradient (4 more) with accumulation, or
+with clipping without ``delayed_update``; a delayed update keeps none, but its ring holds a whole step's gradient
+pieces (``offload.host_memory.gradient_slots``). Or
 FSDP2's 16 x P / shard group per process with ``cpu_offload``. On a CPU
 the device is the host, so a process's estimate also carries its share of the node's host bytes.
 """
@@ -212,15 +214,17 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
     outer_on_device = 0
     if candidate.strategy == "slide_fsdp":
         states = 0
+        reduce = dtype if run.reduce_dtype == "auto" else getattr(torch, run.reduce_dtype)
         working = ((candidate.window * model.block_parameters + root) * p
-                   + (model.root_trained + 2 * model.block_trained) * REDUCE_BYTES)
+                   + (model.root_trained + 2 * model.block_trained) * reduce.itemsize)
         processes = run.processes_per_node
         units = ([UnitSize.of(model.block_parameters, processes, model.block_trained)] * model.layers
                  + [UnitSize.of(root, processes, model.root_trained)])
-        keep = run.clipping or run.batch_per_process > candidate.micro_batch
-        setup = HostSetup.of_knobs(dtype, torch.float32, getattr(torch, run.optimizer_state_dtype), processes,
+        # as SlideFSDPStrategy.keeps_gradients: a delayed update reads the step's gradients from the ring instead
+        keep = run.batch_per_process > candidate.micro_batch or (run.clipping and not candidate.delayed_update)
+        setup = HostSetup.of_knobs(dtype, reduce, getattr(torch, run.optimizer_state_dtype), processes,
                                    candidate.param_transfer, candidate.grad_sync, candidate.window, keep,
-                                   offloaded_activations)
+                                   offloaded_activations, delayed_update=candidate.delayed_update)
         host = sum(host_buffers(units, setup).values())
     else:
         states = model_state_bytes(model.parameters, model.trained) // shard_group(candidate, run.world_size)

@@ -4,6 +4,8 @@
 A candidate maps onto a config overlay: ``trainer.strategy`` (``FSDP2Strategy`` or ``SlideFSDPStrategy``
 with the candidate's knobs), ``data.init_args.batch_size`` (the micro-batch) and
 ``trainer.accumulate_grad_batches`` (so that micro-batch x accumulation stays the configs' batch per process).
+SlideFSDP's ``delayed_update`` runs a step's CPU update during the next step, so it needs the whole batch per process
+in one micro-batch: ``outside`` refuses it with accumulation.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ STRATEGY_CLASSES = {"fsdp2": "lit_fsdp.strategy.FSDP2Strategy", "slide_fsdp": "o
 COMMON_KNOBS = ("micro_batch", "param_dtype", "activation_checkpointing")
 STRATEGY_KNOBS = {
     "fsdp2": ("sharding", "replicate_size", "blocks_per_group", "prefetch", "compile_blocks", "cpu_offload", "compression"),
-    "slide_fsdp": ("window", "param_transfer", "grad_sync", "activation_offload"),
+    "slide_fsdp": ("window", "param_transfer", "grad_sync", "activation_offload", "delayed_update"),
 }
 
 
@@ -44,6 +46,7 @@ class RunShape:
     clipping: bool
     loss_chunk_tokens: int = 0  # the model's chunked loss (lit_fsdp.loss); 0: the plain loss
     optimizer_state_dtype: str = "float32"  # SlideFSDP's AdamW moments on the host (the configs' SlideFSDP knob)
+    reduce_dtype: str = "auto"  # the configs' reduce_dtype: SlideFSDP's gradients reach the host in it (auto: compute dtype)
     outer: OuterConfig | None = None  # semi-synchronous training's outer step (the configs' sync_every > 0)
 
     @property
@@ -70,6 +73,7 @@ class Candidate:
     param_transfer: ParamTransfer = "full"
     grad_sync: GradSync = "gpu_reduce"
     activation_offload: ActivationOffload = "none"
+    delayed_update: bool = False
 
     def knobs(self) -> dict[str, Any]:
         """The knobs that apply to its strategy (``strategy`` first): what makes two candidates the same."""
@@ -194,6 +198,8 @@ class SearchSpace:
     """SlideFSDP gradient reduction"""
     activation_offload: list[ActivationOffload] = field(default_factory=lambda: _all(ActivationOffload))
     """SlideFSDP activation offload"""
+    delayed_update: list[bool] = field(default_factory=lambda: [False, True])
+    """SlideFSDP's CPU update of a step run during the next step (ZeRO-Offload's delayed update; not with accumulation)"""
 
     def resolve(self, run: RunShape) -> dict[str, list]:
         """The allowed values of every knob for ``run``; a value that cannot work raises ValueError before any trial."""
@@ -219,6 +225,13 @@ class SearchSpace:
                 raise ValueError(f"--tune.space.compression {method!r} is not a method; choose from {', '.join(METHODS)}")
         if any(not values[name] for name in ("strategy", "sharding", "param_dtype")):
             raise ValueError("--tune.space.strategy, sharding and param_dtype need at least one value each")
+        if batch not in values["micro_batch"]:  # every candidate accumulates: a delayed update never runs
+            if values["delayed_update"] and not any(value is False for value in values["delayed_update"]):
+                raise ValueError(f"--tune.space.delayed_update [true] needs the batch per process {batch} in one "
+                                 f"micro-batch (no accumulation): add {batch} to --tune.space.micro_batch")
+            values["delayed_update"] = [False]
+        if not values["delayed_update"]:
+            raise ValueError("--tune.space.delayed_update needs at least one value")
         return values
 
 
@@ -233,4 +246,7 @@ def outside(candidate: Candidate, allowed: dict[str, list], run: RunShape) -> st
         return "HYBRID_SHARD needs a replicate_size"
     if candidate.strategy == "slide_fsdp" and candidate.param_transfer == "shard" and run.processes_per_node < 2:
         return "param_transfer=shard needs >= 2 processes per node"
+    if candidate.strategy == "slide_fsdp" and candidate.delayed_update and candidate.micro_batch < run.batch_per_process:
+        return (f"delayed_update cannot accumulate gradients: micro_batch={candidate.micro_batch} is under the batch per "
+                f"process {run.batch_per_process}; use micro_batch={run.batch_per_process} or delayed_update=False")
     return None

@@ -25,7 +25,9 @@ from lit_fsdp.commands.tune.space import Candidate, RunShape
 _OOM_SIGNS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory")
 # Figures a trial keeps from its results record (callbacks.Results), by the same names.
 FIGURES = ("tokens_per_s", "step_time_ms_p50", "step_time_ms_p90", "comm_ratio", "comm_exposed_ms", "compute_time_ms",
-           "profiled_step_ms", "mfu", "offload_cpu_update_hidden_share", "offload_h2d_gbps", "offload_cpu_update_ms")
+           "profiled_step_ms", "mfu", "offload_cpu_update_hidden_share", "offload_h2d_gbps", "offload_cpu_update_ms",
+           "offload_cpu_update_hideable_share", "offload_device_backward_ms", "offload_device_idle_ms",
+           "offload_update_wait_ms")
 
 
 @dataclass
@@ -71,6 +73,10 @@ class Trial:
     offload_cpu_update_hidden_share: float | None = None
     offload_h2d_gbps: float | None = None
     offload_cpu_update_ms: float | None = None
+    offload_cpu_update_hideable_share: float | None = None  # the device's backward / the update, at most 1
+    offload_device_backward_ms: float | None = None
+    offload_device_idle_ms: float | None = None  # the device waiting inside the backward for a gradient buffer
+    offload_update_wait_ms: float | None = None  # the host waiting at the optimizer step for the CPU update
     peak_gb: float | None = None  # GPU: peak reserved; CPU: peak RSS (rank 0)
     losses: list[float] = field(default_factory=list)  # training loss of each step
     check_loss: float | None = None

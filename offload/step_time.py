@@ -1,0 +1,58 @@
+"""SlideFSDP's step time as the overlap is built: forward, backward, host-device copies and the CPU update.
+
+``estimate`` gives each resource's time from the hardware file's rates (compute at ``peak_tflops`` x
+``compute_efficiency``, copies at ``pcie_gbps``, the update at ``host_memory_gbps``); this module puts them in the
+order SlideFSDP runs them:
+
+- **forward** and **backward** (recompute included) on the device, each as long as its compute or the weights it
+  streams in, whichever is longer (the window prefetches the next blocks while one computes);
+- **updates during the backward** (``overlapped``): a unit's update starts when its gradient reaches the host, the first
+  about one block's backward into the backward; with enough gradient slots the backward never waits, and the step
+  ends when the last update ends: the units whose gradients come last (the first block, the embeddings) follow the
+  backward (``tail_share`` of the update);
+- **updates after the backward** (``after``: clipping or ``skip_step`` with a kept fp32 gradient): the norm needs every
+  gradient first;
+- **delayed** (``delayed_update``): a step's updates run during the next step's forward and backward; the step is the
+  longer of the two, plus the staging rows of the last units to arrive, rewritten at the end of the backward.
+
+With gradient accumulation only the last micro-batch's backward overlaps the update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SlideStepTime:
+    """One optimizer step's parts and its time, in seconds (``schedule``: overlapped, after or delayed)."""
+
+    schedule: str
+    forward_s: float
+    backward_s: float
+    update_s: float
+    exposed_update_s: float  # of the update, what the device's compute does not hide
+    step_s: float
+
+
+def slide_step_time(forward_compute_s: float, backward_compute_s: float, h2d_s: float, d2h_s: float, update_s: float,
+                    tail_share: float, refresh_tail_s: float, blocks: int, micro_batches: int, schedule: str
+                    ) -> SlideStepTime:
+    """The step's time for compute and copy times per optimizer step (summed over its ``micro_batches``), the CPU
+    update's, the share of the update whose gradients arrive last (``tail_share``), and the delayed update's staging
+    rewrite at the end of the backward (``refresh_tail_s``). Half the weights stream in for the forward, half for the
+    backward; gradients stream out during the backward."""
+    if schedule not in ("overlapped", "after", "delayed"):
+        raise ValueError(f"schedule {schedule!r}: overlapped, after or delayed")
+    forward = max(forward_compute_s, h2d_s / 2)
+    backward = max(backward_compute_s, h2d_s / 2, d2h_s)
+    last_backward = backward / micro_batches
+    device = forward + backward
+    if schedule == "after":
+        step = device + update_s
+    elif schedule == "delayed":
+        step = max(device + refresh_tail_s, update_s)
+    else:
+        first_arrival = last_backward / max(1, blocks)
+        step = device - last_backward + max(last_backward + tail_share * update_s, first_arrival + update_s)
+    return SlideStepTime(schedule, forward, backward, update_s, step - device, step)
