@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -56,8 +57,6 @@ def plain_torch(seed: int, warmup: int | None, steps: int, learning_rate: float)
     """The reference: the same model shape and data in plain torch (one process, AdamW as the quickstart configures it,
     clipping 1.0, linear warm-up and cosine decay), the gradient taken at the current weights or, delayed, at the
     weights one update old."""
-    import math
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -134,7 +133,8 @@ def table(rows: list[dict], tail: int) -> str:
     for arm in arms:
         train = [tail_loss(by[arm, s]) for s in seeds]
         val = [last_val(by[arm, s]) for s in seeds]
-        spread = (lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0)
+        spread = (lambda xs: float("nan") if any(math.isnan(x) for x in xs)
+                  else statistics.stdev(xs) if len(xs) > 1 else 0.0)
         behind = steps_behind([by["synchronous", s]["train_loss"] for s in seeds],
                               [by[arm, s]["train_loss"] for s in seeds], tail)
         lines.append(f"| {arm} | {statistics.fmean(train):.4f} ± {spread(train):.4f} | "
