@@ -9,12 +9,16 @@ with one group per group of the held optimizer; before every update the learning
 hyperparameters are copied from the held optimizer, so the LR scheduler drives the CPU updates.
 Moments are allocated at setup, so host memory is claimed before training starts.
 
-The update is one pass per cache-sized chunk (``adamw_step_in_chunks``): torch's fused AdamW kernel on the chunk
-(on float32 copies of bfloat16 moments, rounded back; the gradient widened in cache if it arrives in bfloat16),
-then the chunk's new weights written to the staging copy the device loads from while they are still in cache.
-The host memory touched per parameter is then AdamW's own (weight and moments read and written, the gradient
-read) plus the staging copy's write: 28 B/param with float32 moments and a bfloat16 gradient, 20 with bfloat16
-moments, instead of a second pass that reads the master again to write the staging copy.
+The update is one pass over memory per element (``adamw_step_in_chunks``): the native kernel
+(``offload/adamw_kernel.c``, built at first use by ``offload.adamw_kernel``) reads the gradient as it arrived,
+reads and writes the float32 master and the moments in place (bfloat16 moments rounded to nearest-even on the way
+back) and writes the new weight to the staging copy the device loads from, on ``torch.get_num_threads()`` threads
+with the GIL released. The host memory touched per parameter is AdamW's own (weight and moments read and written,
+the gradient read) plus the staging copy's write: 28 B/param with float32 moments and a bfloat16 gradient, 20 with
+bfloat16 moments. Where the kernel cannot be built (no C compiler: one warning says so) or does not take the
+tensors, torch's fused AdamW kernel runs per cache-sized chunk on float32 copies of what is not float32, the
+chunk's new weights then copied to the staging rows while in cache: the same arithmetic (the same bits for whole
+pieces), slower.
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from compress.layout import UnitLayout
+from offload import adamw_kernel
 
 # The held optimizer's hyperparameters that the CPU optimizers follow.
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
-#: Elements per chunk of the update: its float32 copies (3 x 4 MiB) stay in L3, and each chunk's calls (tens of
-#: microseconds of dispatch for the fused kernel's Python wrapper and the copies) have enough work to hide it. On one
-#: core (``python scripts/bench_cpu_update.py --numel 16000000 --threads 1 --chunks 65536 262144 1048576 4194304``)
+#: Elements per chunk of the torch path's update (no native kernel): its float32 copies (3 x 4 MiB) stay in L3, and
+#: each chunk's calls (tens of microseconds of dispatch for the fused kernel's Python wrapper and the copies) have
+#: enough work to hide it. On one core (``python scripts/bench_cpu_update.py --numel 16000000 --threads 1 --paths torch
+#: --chunks 65536 262144 1048576 4194304``)
 #: 64K, 256K, 1M and 4M elements gave 1.24, 0.87, 0.81 and 0.79 ns/param with a float32 gradient, and 1.50, 0.97,
 #: 0.90 and 0.97 with a bfloat16 one (two passes over whole tensors: 0.79); on two threads 1M gave 0.66 for both
 #: (two passes 0.64, 256K 0.77 and 0.75).
@@ -42,16 +48,16 @@ CHUNK = 1_048_576
 
 def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: dict,
                          scratch: torch.Tensor, staging: torch.Tensor | None = None,
-                         span: tuple[int, int] | None = None) -> None:
-    """One torch.optim.AdamW step of elements ``span`` (default: all) of ``param`` (float32), ``scratch.shape[1]``
-    elements at a time, each chunk by torch's fused CPU AdamW kernel, on float32 copies of what is not float32: a
-    bfloat16 gradient (so that it is read as it arrived, not converted in a pass of its own) and bfloat16 moments
-    (rounded to nearest on the way back). Decoupled weight decay, bias correction, amsgrad, maximize and the
+                         span: tuple[int, int] | None = None, grad_scale: float = 1.0) -> None:
+    """One torch.optim.AdamW step of elements ``span`` (default: all) of ``param`` (float32), with the gradient
+    multiplied by ``grad_scale`` first: the native kernel's one pass (``offload.adamw_kernel``) where it is built and
+    takes these dtypes, else ``scratch.shape[1]`` elements at a time by torch's fused CPU AdamW kernel, on float32
+    copies of what is not float32: a bfloat16 or scaled gradient and bfloat16 moments (rounded to nearest on the way
+    back). Both give the fused kernel's bits. Decoupled weight decay, bias correction, amsgrad, maximize and the
     arithmetic are AdamW's own. ``grad`` holds the span's gradient; ``staging`` (``param``'s shape, any dtype) receives
-    each chunk's new weights while they are in cache. The step count advances with the span that ends ``param``.
+    the new weights while they are in cache. The step count advances with the span that ends ``param``.
     ``scratch`` is 3 float32 rows: the two moments and the gradient.
     """
-    chunk_step = torch.empty_like(state["step"])
     numel = param.numel()
     first, last = span or (0, numel)
     param, grad = param.view(-1)[first:last], grad.reshape(-1)
@@ -60,29 +66,44 @@ def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[st
     amsgrad = bool(group.get("amsgrad", False))
     peak = state["max_exp_avg_sq"].view(-1)[first:last] if amsgrad else None
     beta1, beta2 = (float(beta) for beta in group["betas"])
-    hyperparameters = {"amsgrad": amsgrad, "maximize": bool(group.get("maximize", False)), "beta1": beta1,
-                       "beta2": beta2, "lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),
-                       "eps": float(group["eps"])}
+    hyperparameters = {"maximize": bool(group.get("maximize", False)), "beta1": beta1, "beta2": beta2,
+                       "lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]), "eps": float(group["eps"])}
+    if adamw_kernel.supported(param, grad, moments + ([peak] if amsgrad else []), staging):
+        tail, tail_mode = adamw_kernel.scalar_tail(numel, first, last)
+        adamw_kernel.adamw_step(param, grad, *moments, peak, staging, step=float(state["step"]) + 1,
+                                grad_scale=grad_scale, tail=tail, tail_mode=tail_mode, **hyperparameters)
+    else:
+        _fused_step_in_chunks(param, grad, moments, peak, state["step"], hyperparameters, scratch, staging, grad_scale)
+    if last == numel:
+        state["step"] += 1
+
+
+def _fused_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tensor],
+                          peak: torch.Tensor | None, step: torch.Tensor, hyperparameters: dict, scratch: torch.Tensor,
+                          staging: torch.Tensor | None, grad_scale: float) -> None:
+    """``adamw_step_in_chunks`` by torch's fused kernel, chunk by chunk (see there)."""
+    chunk_step = torch.empty_like(step)
     chunk, copied = scratch.shape[1], moments[0].dtype != torch.float32
     for start in range(0, param.numel(), chunk):
         end = min(start + chunk, param.numel())
         n = end - start
         g = grad[start:end]
-        if g.dtype != torch.float32:
+        if g.dtype != torch.float32 or grad_scale != 1.0:
+            # multiplied here, not by the kernel's grad_scale: that divides, and writes the result back to the gradient
             g = scratch[2, :n].copy_(g)
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
         m, v = (moment[start:end] for moment in moments)
         if copied:
             m, v = scratch[0, :n].copy_(m), scratch[1, :n].copy_(v)
-        chunk_step.copy_(state["step"])  # the kernel counts the step in it: every chunk takes the same one
-        adamw([param[start:end]], [g], [m], [v], [peak[start:end]] if amsgrad else [], [chunk_step], fused=True,
-              **hyperparameters)
+        chunk_step.copy_(step)  # the kernel counts the step in it: every chunk takes the same one
+        adamw([param[start:end]], [g], [m], [v], [peak[start:end]] if peak is not None else [], [chunk_step],
+              fused=True, amsgrad=peak is not None, **hyperparameters)
         if copied:
             moments[0][start:end].copy_(m)
             moments[1][start:end].copy_(v)
         if staging is not None:
             staging[start:end].copy_(param[start:end])
-    if last == numel:
-        state["step"] += 1
 
 
 class CpuAdam:
@@ -137,6 +158,7 @@ class CpuAdam:
                                           initializer=torch.cuda.set_device if cuda else None, initargs=(device,) if cuda else ())
         self._pending: list[Future] = []
         self.update_intervals: list[tuple[float, float]] = []  # (start, end) perf_counter of each update
+        self.wait_intervals: list[tuple[float, float]] = []  # (start, end) of the caller's waits for running updates
 
     def _hyperparameters(self, index: int) -> dict:
         return self.frozen[index] if self.frozen is not None else self._held_hyperparameters(index)
@@ -168,16 +190,19 @@ class CpuAdam:
 
     # --- updates ---------------------------------------------------------------------------------
 
-    def update(self, unit: int, gradients: list[torch.Tensor], staging: list[torch.Tensor | None] | None = None) -> None:
-        """One AdamW step of ``unit``'s pieces with ``gradients`` (this rank's rows), at the held optimizer's settings;
-        each piece's new weights are also written to its ``staging`` view (one per piece; None: not written)."""
+    def update(self, unit: int, gradients: list[torch.Tensor], staging: list[torch.Tensor | None] | None = None,
+               grad_scale: float = 1.0) -> None:
+        """One AdamW step of ``unit``'s pieces with ``gradients`` (this rank's rows) times ``grad_scale``, at the held
+        optimizer's settings; each piece's new weights are also written to its ``staging`` view (one per piece; None:
+        not written)."""
         pieces = self.pieces[unit]
         self._step(unit, [(index, None, gradient) for index, gradient in enumerate(gradients)],
-                   staging or [None] * len(pieces))
+                   staging or [None] * len(pieces), grad_scale)
 
-    def update_rows(self, unit: int, gradient: torch.Tensor, start: int, stop: int, staging: list[torch.Tensor]) -> None:
+    def update_rows(self, unit: int, gradient: torch.Tensor, start: int, stop: int, staging: list[torch.Tensor | None],
+                    grad_scale: float = 1.0) -> None:
         """The AdamW step of elements ``[start, stop)`` of ``unit``'s shard (``gradient`` holds theirs, in the shard
-        layout): the parts of the pieces that lie there, padding skipped. A piece's step count advances with its
+        layout, to be multiplied by ``grad_scale``): the parts of the pieces that lie there, padding skipped. A piece's step count advances with its
         last elements, so the ranges of one step may come in any number of calls, in order."""
         spans = []
         for index, piece in enumerate(self.pieces[unit]):
@@ -185,10 +210,10 @@ class CpuAdam:
             first, last = max(start, begins), min(stop, begins + piece.numel())
             if first < last:
                 spans.append((index, (first - begins, last - begins), gradient[first - start : last - start]))
-        self._step(unit, spans, staging)
+        self._step(unit, spans, staging, grad_scale)
 
     def _step(self, unit: int, spans: list[tuple[int, tuple[int, int] | None, torch.Tensor]],
-              staging: list[torch.Tensor | None]) -> None:
+              staging: list[torch.Tensor | None], grad_scale: float = 1.0) -> None:
         began = time.perf_counter()
         optimizer, pieces = self.optimizers[unit], self.pieces[unit]
         for group in optimizer.param_groups:
@@ -197,7 +222,7 @@ class CpuAdam:
             for index, span, gradient in spans:
                 piece = pieces[index]
                 adamw_step_in_chunks(piece, gradient, optimizer.state[piece], self.piece_groups[unit][index], self._scratch,
-                                     staging[index], span)
+                                     staging[index], span, grad_scale=grad_scale)
         self.update_intervals.append((began, time.perf_counter()))
 
     def submit(self, task: Callable[[], None]) -> None:
@@ -212,10 +237,15 @@ class CpuAdam:
         return None
 
     def wait(self) -> None:
-        """Wait for every submitted task; re-raises the first task's error in the caller."""
+        """Wait for every submitted task; re-raises the first task's error in the caller. Waits that found work still
+        running are kept in ``wait_intervals`` (perf_counter start, end)."""
         pending, self._pending = self._pending, []
+        began = time.perf_counter()
+        busy = any(not future.done() for future in pending)
         for future in pending:
             future.result()
+        if busy:
+            self.wait_intervals.append((began, time.perf_counter()))
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,220 @@
+"""SlideFSDP's native CPU AdamW step (``adamw_kernel.c``): built at first use, called through ctypes.
+
+The C file is compiled once per machine with the system's C compiler (``$LIT_FSDP_CC``, else ``cc``, else ``gcc``;
+``-O3 -march=native``) into ``$LIT_FSDP_KERNEL_CACHE`` (default ``~/.cache/lit_fsdp/kernels``), under a name made
+of the source's hash, the compiler and its version, the flags and the CPU's feature flags, so a changed source, compiler
+or host builds anew and a shared home folder serves every machine. The library is written to a temporary name and
+renamed into place, so ranks that build at once all load a whole file. Without a compiler, or when the build fails,
+the caller falls back to torch's fused kernel (``offload.cpu_adam``) after one warning saying why.
+
+ctypes releases the GIL for the whole call; the kernel runs on ``threads`` threads of its own on contiguous ranges.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.optim.adamw import adamw
+
+SOURCE = Path(__file__).with_name("adamw_kernel.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+# the C file's dtype codes; staging None is NONE
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+NONE = 3
+
+_lock = threading.Lock()
+#: False: every update takes torch's path (benchmarks compare the two)
+enabled = True
+_library: ctypes.CDLL | None = None
+_tried = False
+_tail = (8, 0)  # torch's fused kernel's vector width and scalar-loop rounding (``_probe_tail``)
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$LIT_FSDP_CC`` (a name or a path) if set, else ``cc`` or ``gcc`` on PATH."""
+    named = os.environ.get("LIT_FSDP_CC")
+    if named:
+        return shutil.which(named)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$LIT_FSDP_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lit_fsdp/kernels``."""
+    if os.environ.get("LIT_FSDP_KERNEL_CACHE"):
+        return Path(os.environ["LIT_FSDP_KERNEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lit_fsdp" / "kernels"
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (what ``-march=native`` compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def library_path(cc: str) -> Path:
+    """The built library's path for compiler ``cc`` on this CPU."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()[:1]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *version, *FLAGS, _cpu_features()]).encode()).hexdigest()
+    return cache_dir() / f"adamw_{key[:24]}.so"
+
+
+def build(cc: str) -> Path:
+    """Compile the kernel with ``cc`` unless this source, compiler and CPU's build is cached; its path."""
+    target = library_path(cc)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
+    os.close(handle)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", partial, "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            raise RuntimeError(next((line for line in lines if "error" in line), lines[-1] if lines else "no output"))
+        os.replace(partial, target)  # atomic: a rank loading it meanwhile sees no file or the whole one
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _load() -> ctypes.CDLL:
+    cc = compiler()
+    if cc is None:
+        named = os.environ.get("LIT_FSDP_CC")
+        raise RuntimeError(f"LIT_FSDP_CC={named} is not an executable" if named else "no C compiler (cc or gcc) on PATH")
+    library = ctypes.CDLL(str(build(cc)))
+    f32, i32, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    library.lit_adamw_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, i32, i32,
+                                       f32, f32, f32, f32, f32, f32, f32, f32, i32]
+    library.lit_adamw_step.restype = i32
+    library.lit_adamw_supported.argtypes = [i32, i32, i32]
+    library.lit_adamw_supported.restype = i32
+    return library
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, built at the first call; None (after one warning) where it cannot be built."""
+    global _library, _tried, _tail
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                loaded = _load()
+                _tail = _probe_tail(loaded)
+                _library = loaded
+            except Exception as error:  # a missing compiler, a failed build or load: the torch path still works
+                reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                rank_zero_warn(f"SlideFSDP's native CPU AdamW is unavailable ({reason}); the update runs on torch's fused "
+                               "kernel instead, slower: install gcc (apt-get install gcc) or set LIT_FSDP_CC "
+                               "to a C compiler")
+    return _library
+
+
+def reset() -> None:
+    """Forget the loaded kernel, so that the next ``library()`` builds or loads it again (tests)."""
+    global _library, _tried
+    with _lock:
+        _library, _tried = None, False
+
+
+def _code(tensor: torch.Tensor | None) -> int | None:
+    return NONE if tensor is None else DTYPES.get(tensor.dtype)
+
+
+def supported(param: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tensor], staging: torch.Tensor | None) -> bool:
+    """Whether the kernel can step these tensors: float32 master, contiguous same-length tensors, dtypes it knows,
+    moments of one dtype, a kernel built, and ``enabled``."""
+    tensors = [param, grad, *moments] + ([staging] if staging is not None else [])
+    if not enabled or param.dtype != torch.float32:
+        return False
+    if any(t.device.type != "cpu" or not t.is_contiguous() or t.numel() != param.numel() for t in tensors):
+        return False
+    if len({moment.dtype for moment in moments}) != 1:
+        return False
+    codes = (_code(grad), _code(moments[0]), _code(staging))
+    lib = library() if None not in codes else None
+    return lib is not None and bool(lib.lit_adamw_supported(*codes))
+
+
+def _probe_tail(lib: ctypes.CDLL) -> tuple[int, int]:
+    """torch's fused kernel's vector width and how its scalar loop over a tensor's last elements rounds exp_avg_sq (the
+    C file's tail mode): its build decides them (16 or 8 floats, what the compiler contracted), so they are found by
+    stepping a small tensor both ways. The first candidate that gives torch's bits; the vector loop's rule if none."""
+    generator = torch.Generator().manual_seed(0)
+    numel = 16 * 4 + 15
+    start, grads = torch.randn(numel, generator=generator), [torch.randn(numel, generator=generator) for _ in range(3)]
+    weight, exp_avg, exp_avg_sq, steps = start.clone(), torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+    for grad in grads:
+        adamw([weight], [grad.clone()], [exp_avg], [exp_avg_sq], [], [steps], fused=True, amsgrad=False, maximize=False,
+              beta1=0.9, beta2=0.999, lr=1e-2, weight_decay=0.1, eps=1e-8)
+    for width, mode in ((8, 2), (16, 2), (8, 1), (16, 1)):
+        ours = [start.clone(), torch.zeros(numel), torch.zeros(numel)]
+        for step, grad in enumerate(grads, 1):
+            _call(lib, *ours, None, grad, None, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                  maximize=False, grad_scale=1.0, tail=numel % width, tail_mode=mode, threads=1)
+        if all(torch.equal(a, b) for a, b in zip(ours, (weight, exp_avg, exp_avg_sq))):
+            return width, mode
+    return 8, 0
+
+
+def scalar_tail(numel: int, first: int, last: int) -> tuple[int, int]:
+    """Of elements ``[first, last)`` of a ``numel``-element tensor, how many last ones torch's fused kernel steps in its
+    scalar loop, and how it rounds there (``adamw_step``'s ``tail`` and ``tail_mode``)."""
+    if library() is None:
+        return 0, 0
+    width, mode = _tail
+    return max(0, last - max(first, numel - numel % width)), mode
+
+
+def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               max_exp_avg_sq: torch.Tensor | None, staging: torch.Tensor | None, *, step: float, lr: float,
+               beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool = False,
+               grad_scale: float = 1.0, tail: int = 0, tail_mode: int = 0, threads: int | None = None) -> None:
+    """One AdamW step, in place, as torch's fused kernel computes it at step count ``step`` (the step being taken,
+    from 1), of tensors ``supported`` accepts; the gradient multiplied by ``grad_scale`` first and the new weights
+    also written to ``staging`` (None: not written). The last ``tail`` elements are computed as the fused kernel's
+    scalar loop does, rounding by ``tail_mode`` (``scalar_tail``). ``threads`` defaults to ``torch.get_num_threads()``."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native AdamW kernel is not built: check supported() first")
+    _call(lib, param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, staging, step=step, lr=lr, beta1=beta1, beta2=beta2,
+          eps=eps, weight_decay=weight_decay, maximize=maximize, grad_scale=grad_scale, tail=tail, tail_mode=tail_mode,
+          threads=threads or torch.get_num_threads())
+
+
+def _call(lib: ctypes.CDLL, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+          max_exp_avg_sq: torch.Tensor | None, grad: torch.Tensor, staging: torch.Tensor | None, *, step: float,
+          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool, grad_scale: float,
+          tail: int, tail_mode: int, threads: int) -> None:
+    # the scalars as the fused kernel forms them: in double, then rounded to float32
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    status = lib.lit_adamw_step(
+        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        max_exp_avg_sq.data_ptr() if max_exp_avg_sq is not None else None,
+        staging.data_ptr() if staging is not None else None, param.numel(), tail, tail_mode,
+        _code(grad), _code(exp_avg), _code(staging), int(max_exp_avg_sq is not None),
+        -grad_scale if maximize else grad_scale, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
+        math.sqrt(bias_correction2), eps, -(lr / bias_correction1), threads,
+    )
+    if status != 0:
+        raise RuntimeError(f"the native AdamW kernel has no case for gradient {grad.dtype}, moments {exp_avg.dtype}, "
+                           f"staging {None if staging is None else staging.dtype}")
