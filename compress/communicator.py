@@ -151,6 +151,13 @@ def compressing(compressor: Compressor) -> bool:
     return bool(getattr(compressor, "compressing", True))
 
 
+def adds_in_float32(compressor: Compressor) -> bool:
+    """Whether a linear compressor's payloads add on the wire in float32 (randomk's values); a 16-bit cast's would
+    add in 16 bits, rounding every partial sum."""
+    inner = getattr(compressor, "inner", compressor)  # error feedback's
+    return getattr(inner, "dtype", torch.float32) == torch.float32
+
+
 def count_uncompressed(stats: CommStats, tensor: torch.Tensor, sent_share: float) -> None:
     """Count a call that sent ``tensor`` uncompressed; ``sent_share`` of its elements leave this rank."""
     stats.calls += 1
@@ -428,7 +435,9 @@ class CompressedAllReduce:
         stats.calls += 1
         stats.numel += flat.numel()
         stats.bytes_raw += 2 * (world - 1) * flat.numel() * 4 // world  # a ring all-reduce
-        if mover.compressor.linear:
+        # 16-bit payloads (fp16, bf16) would add in 16 bits on the wire: gathered and added in float32 instead, as the
+        # quantisers' are (for 2 replicas an all-gather sends what a ring all-reduce does)
+        if mover.compressor.linear and adds_in_float32(mover.compressor):
             scaled = flat / world
             payload = mover.compress(scaled, key, seed)
             mover.sample([payload], [scaled], [key])

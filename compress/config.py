@@ -21,6 +21,7 @@ from compress.payload import Compressor
 from compress.powersgd import PowerSGD
 from compress.quantize import FP8, QSGD, CastBF16, CastFP16, IntQuant, NaturalCompression, OneBit, SignSGD
 from compress.sketched_sgd import SketchedSGD
+from compress.sparseloco import SparseLoCo
 from compress.sparsify import RandomK, Sparsified, ThresholdV, TopK
 
 
@@ -76,6 +77,12 @@ METHODS: dict[str, Method] = {
         {"rank": 4, "start_step": 10, "min_compression": 2.0}, PowerSGD, feedback=False, communicator=POWERSGD,
         kept_state=("PowerSGD's residuals and warm-start Qs", "use a method without built-in error feedback (e.g. int8)"),
     ),
+    "sparseloco": Method(
+        "SparseLoCo: top-k of every chunk of a decayed error-feedback accumulator, num_bits per kept value, "
+        "log2(chunk_size)-bit positions (built in: its own error feedback)",
+        {"chunk_size": 4096, "k": 64, "decay": 0.95, "num_bits": 2}, SparseLoCo, feedback=False,
+        kept_state=("SparseLoCo's accumulators", "use a method without built-in error feedback (e.g. int8)"),
+    ),
     "signsgd": Method("signs and one scale (mean magnitude) per chunk", {"chunk_size": 1024}, SignSGD),
     "onebit": Method("1-bit SGD: signs and per-chunk means of each sign", {"chunk_size": 1024}, OneBit),
     "onebit_adam": Method(
@@ -100,7 +107,7 @@ _RANDOMISED = {"qsgd", "natural"}  # draw private random numbers: salted with th
 #: what error feedback (and DGC's velocities) may be kept in between steps; the arithmetic is float32 either way
 RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: methods whose own state holds a float32 residual per gradient element (error feedback built in)
-_BUILT_IN_RESIDUAL = ("powersgd", "sketch")
+_BUILT_IN_RESIDUAL = ("powersgd", "sketch", "sparseloco")
 #: methods with built-in error feedback whose state follows residual_dtype (a residual and a local momentum)
 _OWN_STATE_DTYPE = ("onebit_adam", "zero_one_adam")
 
@@ -110,8 +117,8 @@ class CompressionConfig:
     """Gradient compression for FSDP2 communication; unset parameters take the method's default."""
 
     method: str = "none"
-    """none, fp16, bf16, fp8, int8, qsgd, natural, topk, randomk, thresholdv, sketch, lowrank, powersgd, signsgd, onebit,
-    onebit_adam, zero_one_adam"""
+    """none, fp16, bf16, fp8, int8, qsgd, natural, topk, randomk, thresholdv, sketch, lowrank, powersgd, sparseloco,
+    signsgd, onebit, onebit_adam, zero_one_adam"""
     error_feedback: bool = False
     """carry what compression dropped into the next step (biased methods only)"""
     quantize: str | None = None
@@ -119,11 +126,14 @@ class CompressionConfig:
     ratio: float | None = None
     """topk, randomk: share of coordinates kept; sketch: table size as a share of the gradient"""
     k: int | None = None
-    """topk, randomk: number of coordinates kept (instead of ratio)"""
+    """topk, randomk: number of coordinates kept (instead of ratio); sparseloco: kept per chunk"""
+    decay: float | None = None
+    """sparseloco: the error-feedback accumulator's decay (beta) before each call's input is added"""
     num_bits: int | None = None
-    """int8: bits per value, 2 to 8"""
+    """int8: bits per value, 2 to 8; sparseloco: bits per kept value, 1 to 8"""
     chunk_size: int | None = None
-    """fp8, int8, qsgd, signsgd, onebit, onebit_adam, zero_one_adam: elements sharing one scale"""
+    """fp8, int8, qsgd, signsgd, onebit, onebit_adam, zero_one_adam: elements sharing one scale; sparseloco: elements
+    of which k are kept (257 to 65536)"""
     freeze_step: int | None = None
     """onebit_adam: AdamW steps, with uncompressed gradients, before the variance is frozen and momenta go as signs"""
     bound: float | None = None
@@ -175,7 +185,7 @@ class CompressionConfig:
         method = self._method(self.method, "method")
         given = {f.name: getattr(self, f.name) for f in fields(self) if f.name in method.defaults}
         values = {**method.defaults, **{key: value for key, value in given.items() if value is not None}}
-        if "k" in values and given.get("k") is not None and given.get("ratio") is None:
+        if "ratio" in values and given.get("k") is not None and given.get("ratio") is None:
             values["ratio"] = None
         if "density" in values and given.get("density") is not None and given.get("threshold") is None:
             values["threshold"] = None
@@ -244,7 +254,7 @@ class CompressionConfig:
         """
         if self.method == "powersgd":
             return 4 + 4 * self.parameters()["rank"] / rows
-        if self.method == "sketch":
+        if self.method in ("sketch", "sparseloco"):
             return 4
         if self.method in _OWN_STATE_DTYPE:  # a residual, a local momentum, a frozen denominator (and an accumulator)
             return self._own_state_tensors() * RESIDUAL_DTYPES[self._residual_dtype()].itemsize

@@ -18,9 +18,18 @@ parameters, in (pinned) host memory or on the device. The pseudo-gradients go th
 ``compress.communicator.CompressedAllReduce``: every replica decodes the same gathered bytes in rank order, so
 every replica applies the same update to the same bits.
 
+A run ends on a synchronisation (``end_on_synchronisation``, at fit's last step): averages in flight are applied and
+every fragment that trained since its last exchange is exchanged once more, in line, so the last model is the
+average (every replica the same bits) and ``export`` writes it. That final average is for the model that leaves:
+a checkpoint taken after it keeps the state from before it (each replica's weights, theta_outer, averages in flight),
+so a run extended past its ``max_steps`` continues as the uninterrupted run would.
+
 Bytes: ``stats.bytes_raw`` counts, every optimizer step, what a per-step float32 ring all-reduce of this rank's
-trained shard would send over the replicate dimension; ``stats.bytes_sent`` what the synchronisations sent.
-Their ratio is the run's ``compression_ratio``.
+trained shard would send over the replicate dimension; ``stats.bytes_sent`` what the synchronisations sent, the final
+one included. Their ratio is the run's ``compression_ratio``, exact for any ``max_steps``.
+
+Validation (``swap_in_outer``/``swap_out_outer``) scores theta_outer, the replicas' last average, the same on every
+replica, so each rank's share of the validation set is scored by one model and the reduction covers the whole set.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from lit_fsdp.errors import OneLineError
 
 #: codecs whose payload the replicate all-reduce can gather or add (``compress.communicators.COMPRESSED``)
 OUTER_CODECS = ("none", "fp16", "bf16", "fp8", "int8", "qsgd", "natural", "topk", "randomk", "thresholdv", "signsgd",
-                "onebit")
+                "onebit", "sparseloco")
 _OPTION = "--trainer.strategy.init_args.outer"
 
 
@@ -57,8 +66,8 @@ class OuterConfig:
     nesterov: bool = True
     """Nesterov momentum (DiLoCo's outer optimizer)"""
     codec: CompressionConfig = field(default_factory=CompressionConfig)
-    """how pseudo-gradients travel: {method: none} (float32), bf16, {method: int8, num_bits: 4}, {method: topk, ratio:
-    0.03, quantize: int8, num_bits: 2, error_feedback: true} (SparseLoCo), ... (python -m lit_fsdp compressors)"""
+    """how pseudo-gradients travel: {method: none} (float32), bf16, {method: int8, num_bits: 4}, {method: sparseloco}
+    (64 of every 4096 values in 2 bits, with lr 1.0 and momentum 0.0), ... (python -m lit_fsdp compressors)"""
     fragments: int = 1
     """streaming: FSDP units taken in turn into this many fragments, each synchronised at its own step (1: the whole
     model at once)"""
@@ -199,6 +208,10 @@ class OuterSync:
         self.syncs = 0
         self.wait_s = 0.0  # the main thread's time blocked on exchanges
         self._thread: ThreadPoolExecutor | None = None
+        self._payloads = [0, 0]  # the run's bytes sent and values given in payloads (``stats`` is taken each step)
+        self._final_at: int | None = None  # the step the run ended on a synchronisation
+        self._before_final: dict[str, torch.Tensor] = {}  # the state a checkpoint keeps from before that
+        self._held: list[torch.Tensor] | None = None  # each fragment's local weights while theta_outer is swapped in
         self.reset_outer()
 
     def reset_outer(self) -> None:
@@ -222,13 +235,13 @@ class OuterSync:
                 if self.settings.delay == 0:
                     self._apply(fragment)
 
-    def _send(self, fragment: _Fragment) -> None:
+    def _send(self, fragment: _Fragment, in_line: bool = False) -> None:
         delta = fragment.outer - fragment.local_flat(self.device)
-        fragment.apply_at = self.steps + self.settings.delay
+        fragment.apply_at = self.steps + (0 if in_line else self.settings.delay)
         reducer = self._reducers[fragment.index]
         self.syncs += 1
         self.stats.calls += 1
-        if self.settings.delay == 0:
+        if in_line or self.settings.delay == 0:
             self._exchange(fragment, reducer, delta)
             return
         if self._thread is None:  # one thread: the exchanges run in the order sent, the same on every rank
@@ -259,6 +272,8 @@ class OuterSync:
                     "extra_collectives", "extra_collective_s"):
             setattr(self.stats, key, getattr(self.stats, key) + taken[key])
         self.stats.buffer_bytes = max(self.stats.buffer_bytes, int(taken["buffer_bytes"]))
+        self._payloads[0] += int(taken["bytes_sent"])
+        self._payloads[1] += int(taken["values_sent"])
 
     def _apply(self, fragment: _Fragment) -> None:
         """Nesterov SGD on theta_outer with the averaged pseudo-gradient, then the fragment's local weights."""
@@ -276,6 +291,57 @@ class OuterSync:
             fragment.write_local(fragment.local_flat(self.device).mul_(config.mix).add_(fragment.outer, alpha=1 - config.mix))
         else:
             fragment.write_local(fragment.outer)
+
+    def end_on_synchronisation(self) -> None:
+        """End the run on a synchronisation: apply every average in flight, exchange (in line) each fragment that
+        trained since it was last sent, and make every replica's weights theta_outer. Once per step; a checkpoint
+        taken after it keeps the state from before it (the module docstring)."""
+        if self.steps == 0 or self._final_at == self.steps:
+            return
+        self._before_final = {key: value.clone() for key, value in self.state_dict().items()}  # codec state: not copies
+        self._before_final.update({f"fragment{f.index}/local": f.local_flat(torch.device("cpu")) for f in self.fragments})
+        for fragment in self.fragments:
+            if fragment.apply_at is not None:
+                self._apply(fragment)
+        for fragment in self.fragments:
+            if (self.steps - fragment.offset) % self.sync_every:  # trained since it was last sent
+                self._send(fragment, in_line=True)
+                self._apply(fragment)
+            fragment.write_local(fragment.outer)  # mix: the local part goes too
+        self._final_at = self.steps
+
+    def replica_weights(self) -> dict[int, torch.Tensor]:
+        """Each trained parameter's local shard (by ``id``) where the weights hold something else now: from before the
+        run's final synchronisation, or kept aside while validation scores theta_outer (a checkpoint saved then keeps
+        the replica's own); empty otherwise."""
+        if self._final_at == self.steps:
+            flats = [self._before_final[f"fragment{f.index}/local"] for f in self.fragments]
+        elif self._held is not None:
+            flats = self._held
+        else:
+            return {}
+        held = {}
+        for fragment, flat in zip(self.fragments, flats):
+            start = 0
+            for param in fragment.params:
+                numel = _local(param).numel()
+                held[id(param)] = flat[start : start + numel].view_as(_local(param))
+                start += numel
+        return held
+
+    def swap_in_outer(self) -> None:
+        """Put theta_outer into the weights (for validation), keeping each fragment's local weights aside."""
+        if self._held is None:
+            self._held = [f.local_flat(self.device) for f in self.fragments]
+            for fragment in self.fragments:  # theta_outer changes on this thread only (an exchange sends a copy)
+                fragment.write_local(fragment.outer)
+
+    def swap_out_outer(self) -> None:
+        """Put back the local weights ``swap_in_outer`` kept aside."""
+        if self._held is not None:
+            for fragment, local in zip(self.fragments, self._held):
+                fragment.write_local(local)
+            self._held = None
 
     def finish(self) -> None:
         """Wait for every exchange in flight (the end of training, or before a checkpoint)."""
@@ -297,7 +363,12 @@ class OuterSync:
         hidden = None
         if exchanged and self.settings.delay:
             hidden = max(0.0, 1.0 - self.wait_s / exchanged)
+        # bytes per value a gathered payload carries (positions, codes, scales: SparseLoCo's 1.8125), as measured
+        gathered = self.compressor is not None and not getattr(self.compressor, "linear", False)
+        sent_values = self._payloads[1] * (self.replicas - 1)
+        per_value = self._payloads[0] / sent_values if gathered and sent_values else None
         return {"outer_syncs": self.syncs, "outer_sync_s": exchanged, "outer_wait_s": self.wait_s,
+                "outer_bytes_per_value": per_value,
                 "outer_hidden_share": hidden if self.settings.delay else 0.0, "sync_every": self.sync_every,
                 "outer": self.settings.as_dict()}
 
@@ -307,6 +378,8 @@ class OuterSync:
         """This rank's outer state: steps, theta_outer, momentum, every average in flight (waited for) with the
         step it is due, the codec's residuals and seeds."""
         self.finish()
+        if self._final_at == self.steps:  # the run ended on a synchronisation: what continues is from before it
+            return {k: v for k, v in self._before_final.items() if not k.endswith("/local")}
         state: dict[str, torch.Tensor] = {"steps": torch.tensor(self.steps), "syncs": torch.tensor(self.syncs)}
         for fragment, reducer in zip(self.fragments, self._reducers):
             name = f"fragment{fragment.index}"
@@ -323,6 +396,7 @@ class OuterSync:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.finish()
+        self._final_at, self._before_final = None, {}
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
         for fragment, reducer in zip(self.fragments, self._reducers):
             name = f"fragment{fragment.index}"
@@ -365,10 +439,13 @@ def outer_fragments(units: list[torch.nn.Module], config: OuterConfig) -> list[l
     return out
 
 
-def replica_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
+def replica_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                  held: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """This rank's shards of its replica's trained weights and optimizer state, which differ from the other
-    replicas' between synchronisations (a sharded checkpoint keeps one replica's): copies on the CPU."""
-    state = {f"weights/{i}": _local(p).detach().cpu().clone() for i, p in enumerate(_trained(model))}
+    replicas' between synchronisations (a sharded checkpoint keeps one replica's): copies on the CPU. ``held``
+    (``OuterSync.replica_weights``): weights by parameter ``id`` to keep instead of the current ones."""
+    held = held or {}
+    state = {f"weights/{i}": held.get(id(p), _local(p)).detach().cpu().clone() for i, p in enumerate(_trained(model))}
     for o, optimizer in enumerate(optimizers):
         for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
             for key, value in optimizer.state.get(param, {}).items():

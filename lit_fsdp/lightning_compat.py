@@ -34,7 +34,15 @@ optimizers_to_device = _optimizers_to_device
 #: whether ``rich`` is installed (a truthy RequirementCache), which RichProgressBar needs
 RICH_AVAILABLE = _RICH_AVAILABLE
 
-__all__ = ["LIGHTNING_NEWEST_TESTED", "reopen_cut_epoch", "METADATA_FILENAME", "is_sharded_checkpoint", "default_process_group_backend",
+
+
+def logged_step(trainer: Any) -> int:
+    """The step Lightning logs a metric at now (its loop's count of batches that stepped; ``global_step`` differs
+    under gradient accumulation and manual optimisation)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+__all__ = ["LIGHTNING_NEWEST_TESTED", "reopen_cut_epoch", "logged_step", "METADATA_FILENAME", "is_sharded_checkpoint", "default_process_group_backend",
            "set_num_threads_if_needed", "optimizers_to_device", "RICH_AVAILABLE"]
 
 

@@ -9,6 +9,7 @@ full file. ``offload.SlideFSDPStrategy`` is the other strategy built on ``Causal
 from __future__ import annotations
 
 import json
+import math
 from abc import abstractmethod
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -32,8 +33,10 @@ from compress.hook import GradientCompression
 from compress.torch_compat import bf16_native
 from lit_fsdp.diloco import (OuterConfig, OuterSync, load_replica_state, outer_fragments, replica_state,
                              replicate_group)
+from lit_fsdp.loss import target_count
 from lit_fsdp.lightning_compat import default_process_group_backend as _get_default_process_group_backend_for_device
 from lit_fsdp.lightning_compat import optimizers_to_device as _optimizers_to_device
+from lit_fsdp.lightning_compat import logged_step as _logged_step
 from lit_fsdp.lightning_compat import set_num_threads_if_needed as _set_num_threads_if_needed
 from lit_fsdp.parallelize import ShardingPlan, parallelize
 from lit_fsdp.reliability import AtomicCheckpoints, NonFiniteGuard, OnNonFinite
@@ -586,7 +589,54 @@ class FSDP2Strategy(CausalLMStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.outer_sync is not None:
             self.outer_sync.after_step()
+            trainer = self.lightning_module.trainer  # its global_step counts this step once we return
+            if trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps:
+                self.outer_sync.end_on_synchronisation()  # before the last validation and checkpoint
         return output
+
+    def on_train_end(self) -> None:
+        if self.outer_sync is not None:  # a run ended by max_epochs or a callback ends on a synchronisation too
+            self.outer_sync.end_on_synchronisation()
+        super().on_train_end()
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._scores_outer():  # the replicas' average, the same on every replica: the ranks' shares make one set
+            self._replica_loss = torch.zeros(2, dtype=torch.float64, device=self.root_device)
+            self._swap(self.outer_sync.swap_in_outer)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._scores_outer():  # each replica's own weights too, on its share: val/loss_replica
+            batch, module = args[0], self.lightning_module
+            self._swap(self.outer_sync.swap_out_outer)
+            with torch.no_grad():
+                targets = target_count(batch["labels"])
+                self._replica_loss += torch.stack([module._loss(batch).double() * targets, targets.double()])
+            self._swap(self.outer_sync.swap_in_outer)
+        return super().validation_step(*args, **kwargs)
+
+    def on_validation_end(self) -> None:
+        if self._scores_outer():
+            self._swap(self.outer_sync.swap_out_outer)
+            total = self.reduce(self._replica_loss, reduce_op="sum")
+            loss = float(total[0] / total[1])
+            trainer = self.lightning_module.trainer
+            for logger in trainer.loggers:  # at the step Lightning logs val/loss at
+                logger.log_metrics({"val/loss_replica": loss, "val/ppl_replica": math.exp(loss)},
+                                   step=_logged_step(trainer))
+        super().on_validation_end()
+
+    def _swap(self, write: Any) -> None:
+        """Write other weights into the shards; a unit left unsharded (NO_SHARD's root keeps its weights gathered after
+        a forward) would go on computing with the old ones, so every unit reshards and gathers them again."""
+        write()
+        for unit in self.fsdp_modules:
+            unit.reshard()
+
+    def _scores_outer(self) -> bool:
+        """Whether validation scores theta_outer: semi-synchronous, inside fit (a sanity check included)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return self.outer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     def teardown(self) -> None:
         if self.outer_sync is not None:
@@ -620,7 +670,8 @@ class FSDP2Strategy(CausalLMStrategy):
             hook_state = self.comm_hook.state_dict()
             state.update({f"{_HOOK_STATE}rank{self.global_rank}/{key}": value for key, value in hook_state.items()})
         if self.outer_sync is not None:  # the replicas differ between synchronisations: each rank keeps its own
-            outer_state = {**self.outer_sync.state_dict(), **replica_state(self.model, self.optimizers)}
+            outer_state = {**self.outer_sync.state_dict(),
+                           **replica_state(self.model, self.optimizers, self.outer_sync.replica_weights())}
             state.update({f"{_OUTER_STATE}rank{self.global_rank}/{key}": value for key, value in outer_state.items()})
         return state
 

@@ -31,7 +31,7 @@ TORCH_POWERSGD = "torch_powersgd"
 #: SlideFSDP's host AdamW with float32 and with bfloat16 moments, no compression: the cost of optimizer_state_dtype
 OFFLOAD = {"offload": "float32", "offload_bf16_moments": "bfloat16"}
 CHOICES = [*METHODS, TORCH_POWERSGD, *OFFLOAD]
-SEMI_SYNCHRONOUS = ("diloco", "diloco_streaming")  # --set keys are the strategy's: sync_every=8, outer.codec.method=none
+SEMI_SYNCHRONOUS = ("diloco", "diloco_streaming", "diloco_sparseloco")  # --set keys are the strategy's: sync_every=8, outer.codec.method=none
 MULTI_SEED = ("baseline", "int8", "topk", "dgc", "powersgd", TORCH_POWERSGD)
 
 

@@ -168,6 +168,10 @@ def payload_bytes(config: dict, n: int, kept: int = 0, call: int = 0) -> int:
     if method == "sketch":  # the count sketch, then the candidates' int32 positions and fp32 values
         k = max(1, round(p["heavy_ratio"] * n))
         return 4 * p["rows"] * math.ceil(p["ratio"] * n / p["rows"]) + 8 * k
+    if method == "sparseloco":  # k per chunk: a low byte and the high bits of a log2(chunk) position, a code, a scale
+        k = sum(min(p["k"], n - start) for start in range(0, n, p["chunk_size"]))
+        high = math.ceil(math.log2(p["chunk_size"])) - 8
+        return k + -(-k * high // 8) + -(-k * p["num_bits"] // 8) + 4 * chunks
     return {
         "fp16": 2 * n, "bf16": 2 * n,  # native reduce-scatter of 2-byte values
         "fp8": n + 4 * chunks,  # a byte per value, an fp32 scale per chunk
@@ -228,3 +232,24 @@ def loss_of(module: CausalLM, inputs: torch.Tensor, labels: torch.Tensor) -> tor
 BLOCK, ROOT, LAYERS, HIDDEN, INNER, VOCAB = 49_984, 2 * 512 * 64 + 128, 2, 64, 256, 512
 TINY = ModelShape(parameters=LAYERS * BLOCK + ROOT, block_parameters=BLOCK, root_parameters=ROOT, layers=LAYERS,
                   hidden=HIDDEN, intermediate=INNER, vocab=VOCAB, gated_mlp=False)
+
+
+# Fine-tuning: the shipped chat sample, and a pretrained folder to fine-tune on it.
+SFT_SAMPLES = REPO / "lit_fsdp" / "data" / "samples" / "reverse_words"
+
+
+def save_sft_base(folder: Path) -> Path:
+    """A pretrained folder as ``export`` writes one: a tiny GPT-2 and a 400-token BPE trained on the sample's text."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_fsdp.data.chat import read_samples
+    from lit_fsdp.data.tokenizer import train_bpe
+    from lit_fsdp.presets import build_config
+
+    texts = [" ".join(content for _, content in sample.turns) for sample, _ in read_samples(SFT_SAMPLES / "train.jsonl")]
+    tokenizer = train_bpe(texts[:1000], 400)
+    tokenizer.save_pretrained(folder)
+    config = build_config("gpt2-tiny", {"vocab_size": len(tokenizer), "n_positions": 128})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, safe_serialization=True)
+    return folder

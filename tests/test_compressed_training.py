@@ -40,8 +40,9 @@ EARLY_START = {"powersgd": ["--trainer.strategy.init_args.compression.start_step
 # topk10_int8 is topk_int8 at another ratio, onebit and natural go through the same all-to-all as
 # signsgd and qsgd (every method's hook runs on 2 processes in test_communicator.py), thresholdv_density
 # resumes bit for bit in tests/test_exact_resume.py, onebit_adam and zero_one_adam train in tests/test_onebit_adam*.py and
-# test_zero_one_adam.py.
-SAME_PATH = {"fp16", "topk10_int8", "onebit", "natural", "thresholdv_density", "onebit_adam", "zero_one_adam"}
+# test_zero_one_adam.py; sparseloco's codec is checked against the paper in tests/test_diloco_measured.py.
+SAME_PATH = {"fp16", "topk10_int8", "onebit", "natural", "thresholdv_density", "onebit_adam", "zero_one_adam",
+             "sparseloco"}
 
 
 # |loss - baseline loss| allowed at the last step, measured on CPU (torch 2.13) with margin. A codec that sends zeros

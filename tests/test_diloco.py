@@ -192,34 +192,35 @@ def test_three_replicas_of_a_run_are_bit_identical_right_after_each_synchronisat
                               callbacks=[probe, *RECORDS])
     run(fit_in_process, tmp_path, [arguments], world=3)
     ranks = [json.loads(Path(f"{tmp_path / 'digests'}.rank{r}").read_text()) for r in range(3)]
-    for step in ("3", "6"):
+    for step in ("3", "6", "7"):  # 7: the run ends on a synchronisation
         assert ranks[0][step] == ranks[1][step] == ranks[2][step], f"replicas differ after the synchronisation at {step}"
-    for step in ("1", "2", "4", "5", "7"):  # between synchronisations each replica follows its own data
+    for step in ("1", "2", "4", "5"):  # between synchronisations each replica follows its own data
         assert ranks[0][step] != ranks[1][step] != ranks[2][step]
     record = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
-    assert record["strategy"] == "fsdp2_no_shard_diloco3" and record["outer_syncs"] == 2
-    # 7 steps of a per-step fp32 ring all-reduce against 2 exchanges of 4-bit values (one fp32 scale per 1024):
-    # all-gathered over 3 replicas, each sends 2 of its payloads for 4/3 of the values in fp32
-    assert record["compression_ratio"] == pytest.approx(7 / 2 * (4 / 3 * 4) / (2 * (0.5 + 4 / 1024)), rel=0.02)
+    assert record["strategy"] == "fsdp2_no_shard_diloco3" and record["outer_syncs"] == 3
+    # 7 steps of a per-step fp32 ring all-reduce against 3 exchanges (at 3, 6 and the end) of 4-bit values (one fp32
+    # scale per 1024): all-gathered over 3 replicas, each sends 2 of its payloads for 4/3 of the values in fp32
+    assert record["compression_ratio"] == pytest.approx(7 / 3 * (4 / 3 * 4) / (2 * (0.5 + 4 / 1024)), rel=0.02)
 
 
 
 def test_hybrid_shard_trains_fsdp2_inside_each_replica_group_and_synchronises_the_groups(tmp_path):
     """HYBRID_SHARD 2 x 2 on 4 processes: ranks 0, 1 are replica 0's two shards, ranks 2, 3 replica 1's. Inner steps
-    reduce inside a group only, so the groups differ between synchronisations; right after one, each shard equals the
-    same shard of the other group."""
+    reduce inside a group only, so the groups differ between synchronisations; right after one (at 3, and the run's
+    end at 4), each shard equals the same shard of the other group."""
     probe = {"class_path": f"{__name__}.DigestsAfterSteps", "init_args": {"path": str(tmp_path / "digests")}}
     arguments = fit_arguments(tmp_path, "--config", str(REPO / "configs" / "diloco.yaml"), f"{STRATEGY}.sync_every", "3",
                               f"{STRATEGY}.sharding", "HYBRID_SHARD", f"{STRATEGY}.replicate_size", "2",
                               "--trainer.devices", "4", steps=4, callbacks=[probe, *RECORDS])
     run(fit_in_process, tmp_path, [arguments], world=4)
     ranks = [json.loads(Path(f"{tmp_path / 'digests'}.rank{r}").read_text()) for r in range(4)]
-    assert ranks[0]["3"] == ranks[2]["3"] and ranks[1]["3"] == ranks[3]["3"], "the groups differ after the synchronisation"
+    for step in ("3", "4"):  # 4: the run ends on a synchronisation
+        assert ranks[0][step] == ranks[2][step] and ranks[1][step] == ranks[3][step], f"the groups differ after {step}"
     assert ranks[0]["3"] != ranks[1]["3"]  # each rank holds its own shard
-    for step in ("1", "2", "4"):
+    for step in ("1", "2"):
         assert ranks[0][step] != ranks[2][step] and ranks[1][step] != ranks[3][step]
     record = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
-    assert record["strategy"] == "fsdp2_hybrid_shard_diloco3" and record["outer_syncs"] == 1
+    assert record["strategy"] == "fsdp2_hybrid_shard_diloco3" and record["outer_syncs"] == 2
 
 CONFIGS = ("diloco.yaml", "diloco_streaming.yaml")
 
@@ -292,9 +293,11 @@ def test_the_diloco_configs_train_on_two_processes(config_runs, config):
     losses = read_metrics(max(folder.glob("lightning_logs/version_*/metrics.csv")))["train/loss"]
     record = json.loads((folder / "results.jsonl").read_text().splitlines()[-1])
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses) and record["world_size"] == 2
-    # streaming: fragment 0 at steps 4 and 8, fragment 1 at 1 and 5, fragment 2 at 2 and 6
-    assert record["outer_syncs"] == (2 if config == "diloco.yaml" else 6)
-    assert record["compression_ratio"] > 4 * 7  # a synchronisation every 4 steps, 4-bit values
+    # streaming: fragment 0 at steps 4 and 8, fragment 1 at 1 and 5, fragment 2 at 2 and 6; the run's end applies
+    # fragment 0's average in flight and exchanges fragments 1 and 2 once more
+    assert record["outer_syncs"] == (2 if config == "diloco.yaml" else 8)
+    # 4-bit values (7.9x) every 4 steps; streaming's final exchange of fragments 1 and 2 makes 8 / 3 whole exchanges
+    assert record["compression_ratio"] > (4 if config == "diloco.yaml" else 3) * 7
 
 
 @pytest.mark.parametrize(("settings", "processes", "message"), [

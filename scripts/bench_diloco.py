@@ -1,0 +1,271 @@
+"""DiLoCo against synchronous training, measured fairly: every arm tuned, best against best, paired seeds.
+
+Every arm sees the same tokens in the same steps (2 processes of BATCH sequences: the synchronous run's global batch is
+2 x BATCH, each DiLoCo replica's BATCH), and ``--steps`` is a multiple of every H, so each run ends on a
+synchronisation and validation scores the replicas' average on the whole validation set. Per arm, on the first seed,
+the inner learning rate is swept on a sqrt(2) grid around ``--lr`` (and, for DiLoCo, the outer lr and momentum over
+``--outer``); the best by validation loss then runs on every seed. Gaps are paired by seed against the synchronous
+arm's best. Brackets: ``one_worker`` (one process at a replica's batch: half the tokens; DiLoCo with one replica at
+outer lr 1 without momentum is the same run, since the average of one replica is itself).
+
+Protocols: ``scratch`` (every arm from the same initialisation) and ``continue`` (DiLoCo's own: a synchronous run of
+``--warm-steps`` steps per seed, then every arm continues from its checkpoint to ``--steps``; bytes are counted on the
+continuation).
+
+Every finished run is appended to ``OUT/results.jsonl`` at once, and runs already there are not run again, so a
+partial sweep is usable and an interrupted one resumes. ``--table`` prints the markdown tables from that file.
+
+    python scripts/bench_diloco.py --out runs/bench_diloco_fair                 # everything (hours: see docs/diloco.md)
+    python scripts/bench_diloco.py --arms synchronous h32_int4 --seeds 1 --lr-points 1 --steps 64
+    python scripts/bench_diloco.py --table --out runs/bench_diloco_fair
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from lit_fsdp.commands.sweep import REPO, launch
+
+DATA = REPO.parent / "shared" / "data" / "wikitext2"
+INT4 = {"method": "int8", "num_bits": 4}
+#: name: (sync_every, the outer codec, streaming settings, outer (lr, momentum) candidates; None: --outer's)
+DILOCO_ARMS: dict[str, tuple[int, dict, dict, list[tuple[float, float]] | None]] = {
+    "h32_int4": (32, INT4, {}, None),
+    "h128_int4": (128, INT4, {}, None),
+    "h32_int3_ef": (32, {"method": "int8", "num_bits": 3, "error_feedback": True}, {}, None),
+    # SparseLoCo's outer step is lr 1 without momentum: its decayed error feedback stands in for the momentum
+    "h32_sparseloco": (32, {"method": "sparseloco"}, {}, [(1.0, 0.0)]),
+    "h32_streaming": (32, INT4, {"fragments": 3, "delay": 2, "mix": 0.5}, None),
+}
+BRACKETS = ("one_worker",)
+ARMS = ("synchronous", *BRACKETS, *DILOCO_ARMS)
+PROTOCOLS = ("scratch", "continue")
+
+
+def sync_every(arm: str, args: argparse.Namespace) -> int:
+    """The arm's H (0: synchronous); ``--sync-every`` overrides every DiLoCo arm's (for short runs)."""
+    if arm not in DILOCO_ARMS:
+        return 0
+    return args.sync_every or DILOCO_ARMS[arm][0]
+
+
+def lr_grid(args: argparse.Namespace) -> list[float]:
+    """``--lr-points`` inner learning rates on a sqrt(2) grid centred on ``--lr``."""
+    half = args.lr_points // 2
+    return [round(args.lr * math.sqrt(2) ** (i - half), 8) for i in range(args.lr_points)]
+
+
+def outer_grid(arm: str, args: argparse.Namespace) -> list[tuple[float, float]]:
+    if arm not in DILOCO_ARMS:
+        return [(0.0, 0.0)]
+    return DILOCO_ARMS[arm][3] or args.outer
+
+
+def key(record: dict) -> tuple:
+    return (record["protocol"], record["arm"], record["seed"], record["inner_lr"], record["outer_lr"],
+            record["outer_momentum"])
+
+
+def arm_arguments(arm: str, inner_lr: float, outer: tuple[float, float], args: argparse.Namespace) -> list[str]:
+    """The command line of one arm beyond the shared settings."""
+    strategy = "--trainer.strategy.init_args."
+    arguments = ["--model.learning_rate", str(inner_lr)]
+    if arm == "synchronous":
+        return arguments
+    if arm == "one_worker":
+        return [*arguments, "--trainer.devices", "1"]
+    _, codec, streaming, _ = DILOCO_ARMS[arm]
+    settings = {"lr": outer[0], "momentum": outer[1], "codec": codec, **streaming}
+    return [*arguments, "--config", str(REPO / "configs" / "diloco.yaml"), f"{strategy}sync_every",
+            str(sync_every(arm, args)), f"{strategy}outer", json.dumps(settings)]
+
+
+def shared_arguments(seed: int, args: argparse.Namespace) -> tuple[list[Path], list[str]]:
+    configs = [REPO / "configs" / "quickstart.yaml"]
+    data = []
+    if args.data != "synthetic":
+        configs.append(REPO / "configs" / "wikipedia.yaml")
+        data = ["--data.train_path", str(Path(args.data) / "train.json"), "--data.val_path",
+                str(Path(args.data) / "valid.json")]
+    return configs, [
+        *data, "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch_size),
+        "--data.seed", str(seed), "--seed_everything", str(seed),
+        "--model.config_overrides", json.dumps({"n_layer": args.layers, "n_embd": args.width, "n_head": 4}),
+        "--model.warmup_steps", str(max(1, args.steps // 10)), "--trainer.max_steps", str(args.steps),
+        "--trainer.val_check_interval", str(args.steps), "--trainer.check_val_every_n_epoch", "null",
+        "--trainer.limit_val_batches", str(args.val_batches), "--trainer.num_sanity_val_steps", "0",
+        "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+    ]
+
+
+def warm_checkpoint(seed: int, args: argparse.Namespace) -> Path:
+    """The ``continue`` protocol's synchronous start for ``seed``: ``--warm-steps`` steps, its last checkpoint."""
+    out = args.out / "warm" / f"seed{seed}"
+    checkpoint = out / "checkpoints" / "last.ckpt"
+    if not checkpoint.exists():
+        configs, shared = shared_arguments(seed, args)
+        outcome = launch(configs, [*shared, "--model.learning_rate", str(args.lr), "--trainer.max_steps",
+                                   str(args.warm_steps)], out)
+        if outcome["status"] != "ok" or not checkpoint.exists():
+            sys.exit(f"bench_diloco: the synchronous start of seed {seed} failed ({outcome['error']}); see {out}")
+    return checkpoint
+
+
+def run_one(protocol: str, arm: str, seed: int, inner_lr: float, outer: tuple[float, float],
+            args: argparse.Namespace) -> dict[str, Any]:
+    """One training run through ``python -m lit_fsdp fit``; its record (``failed`` on error)."""
+    record = {"protocol": protocol, "arm": arm, "seed": seed, "inner_lr": inner_lr, "outer_lr": outer[0],
+              "outer_momentum": outer[1], "sync_every": sync_every(arm, args), "steps": args.steps}
+    name = f"{protocol}-{arm}-seed{seed}-lr{inner_lr:g}" + (f"-outer{outer[0]:g}-{outer[1]:g}" if arm in DILOCO_ARMS else "")
+    out = args.out / "runs" / name
+    configs, shared = shared_arguments(seed, args)
+    resume = ["--ckpt_path", str(warm_checkpoint(seed, args))] if protocol == "continue" else []
+    outcome = launch(configs, [*shared, *arm_arguments(arm, inner_lr, outer, args), *resume], out)
+    if outcome["status"] != "ok":
+        return {**record, "failed": outcome["error"]}
+    metrics = last_values(max(out.glob("lightning_logs/version_*/metrics.csv")))
+    if "val/loss" not in metrics:
+        return {**record, "failed": "the run ended before its validation"}
+    results = out / "results.jsonl"
+    summary = json.loads(results.read_text().splitlines()[-1]) if results.exists() else {}
+    return {**record, "wall_s": outcome["wall_s"], "val_loss": metrics["val/loss"], "val_ppl": metrics["val/ppl"],
+            "val_loss_replica": metrics.get("val/loss_replica"), "train_loss": metrics.get("train/loss"),
+            "compression_ratio": summary.get("compression_ratio") or 1.0, "outer_syncs": summary.get("outer_syncs"),
+            "outer_bytes_per_value": summary.get("outer_bytes_per_value")}
+
+
+def last_values(path: Path) -> dict[str, float]:
+    values: dict[str, float] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            values.update({k: float(v) for k, v in row.items() if v and k not in ("epoch", "step")})
+    return values
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def best(records: list[dict], protocol: str, arm: str, seed: int) -> dict | None:
+    """The arm's tuning run with the lowest validation loss on ``seed`` (the first seed)."""
+    tuned = [r for r in records if r["protocol"] == protocol and r["arm"] == arm and r["seed"] == seed and "failed" not in r]
+    return min(tuned, key=lambda r: r["val_loss"], default=None)
+
+
+def sweep(args: argparse.Namespace) -> None:
+    results = args.out / "results.jsonl"
+    args.out.mkdir(parents=True, exist_ok=True)
+    seeds = [args.first_seed + i for i in range(args.seeds)]
+
+    def once(protocol: str, arm: str, seed: int, inner_lr: float, outer: tuple[float, float]) -> None:
+        probe = {"protocol": protocol, "arm": arm, "seed": seed, "inner_lr": inner_lr, "outer_lr": outer[0],
+                 "outer_momentum": outer[1]}
+        if key(probe) in {key(r) for r in read(results)}:
+            return
+        record = run_one(protocol, arm, seed, inner_lr, outer, args)
+        print(json.dumps(record), flush=True)
+        with open(results, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    for protocol in args.protocols:
+        for arm in args.arms:
+            if protocol == "continue" and arm in BRACKETS:
+                continue  # one process cannot continue a 2-process run's data stream at the same global batch
+            for inner_lr in lr_grid(args):
+                for outer in outer_grid(arm, args):
+                    once(protocol, arm, seeds[0], inner_lr, outer)
+            chosen = best(read(results), protocol, arm, seeds[0])
+            if chosen is None:
+                continue
+            for seed in seeds[1:]:
+                once(protocol, arm, seed, chosen["inner_lr"], (chosen["outer_lr"], chosen["outer_momentum"]))
+
+
+def spread(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    return f"{mean:+.2f}% ± {statistics.stdev(values):.2f}" if len(values) > 1 else f"{mean:+.2f}% (one seed)"
+
+
+def table(records: list[dict]) -> str:
+    """Per protocol, one row per arm at its best setting: loss and perplexity gaps paired by seed, with spreads."""
+    out = []
+    for protocol in PROTOCOLS:
+        mine = [r for r in records if r["protocol"] == protocol and "failed" not in r]
+        if not mine:
+            continue
+        first = min(r["seed"] for r in mine)
+        chosen = {arm: best(mine, protocol, arm, first) for arm in ARMS}
+        runs = {arm: [r for r in mine if r["arm"] == arm and c is not None and
+                      (r["inner_lr"], r["outer_lr"], r["outer_momentum"]) == (c["inner_lr"], c["outer_lr"], c["outer_momentum"])]
+                for arm, c in chosen.items()}
+        base = {r["seed"]: r for r in runs["synchronous"]}
+        out += [f"**{protocol}**", "",
+                "| arm | H | best inner lr | outer lr, momentum | seeds | val loss | loss gap vs synchronous | "
+                "ppl gap vs synchronous | bytes vs per-step fp32 | tuning runs |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for arm in ARMS:
+            if not runs[arm]:
+                continue
+            c, paired = chosen[arm], [r for r in runs[arm] if r["seed"] in base]
+            loss_gap = [100 * (r["val_loss"] / base[r["seed"]]["val_loss"] - 1) for r in paired]
+            ppl_gap = [100 * (r["val_ppl"] / base[r["seed"]]["val_ppl"] - 1) for r in paired]
+            outer = f"{c['outer_lr']:g}, {c['outer_momentum']:g}" if arm in DILOCO_ARMS else "-"
+            tried = sum(r["arm"] == arm and r["seed"] == first for r in mine)
+            out.append(
+                f"| {arm} | {c['sync_every'] or '-'} | {c['inner_lr']:g} | {outer} | {len(runs[arm])} "
+                f"| {statistics.fmean(r['val_loss'] for r in runs[arm]):.4f} "
+                f"| {spread(loss_gap) if arm != 'synchronous' and loss_gap else '-'} "
+                f"| {spread(ppl_gap) if arm != 'synchronous' and ppl_gap else '-'} "
+                f"| {statistics.fmean(r['compression_ratio'] for r in runs[arm]):.0f}x | {tried} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)
+    parser.add_argument("--seeds", type=int, default=3, help="paired seeds; tuning runs on the first")
+    parser.add_argument("--first-seed", type=int, default=1234)
+    parser.add_argument("--steps", type=int, default=1024, help="optimizer steps; a multiple of every H")
+    parser.add_argument("--warm-steps", type=int, default=512, help="continue: the synchronous start's steps")
+    parser.add_argument("--sync-every", type=int, default=0, help="every DiLoCo arm's H instead of its own (short runs)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="the centre of the inner learning-rate grid")
+    parser.add_argument("--lr-points", type=int, default=5, help="points of the sqrt(2) grid")
+    parser.add_argument("--outer", type=lambda text: tuple(float(v) for v in text.split(",")), nargs="+",
+                        default=[(1.0, 0.0), (0.7, 0.9), (0.7, 0.5), (1.0, 0.5)], metavar="LR,MOMENTUM",
+                        help="outer (lr, momentum) candidates for the DiLoCo arms (Nesterov)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8, help="per process: a replica's batch")
+    parser.add_argument("--val-batches", type=int, default=40, help="per process")
+    parser.add_argument("--data", default=str(DATA), help="folder with train.json and valid.json, or 'synthetic'")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_diloco_fair")
+    parser.add_argument("--table", action="store_true", help="print the tables from OUT/results.jsonl and stop")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table(read(args.out / "results.jsonl")))
+        return
+    for protocol in args.protocols:
+        length = args.steps - (args.warm_steps if protocol == "continue" else 0)
+        odd = [arm for arm in args.arms if sync_every(arm, args) and length % sync_every(arm, args)]
+        if odd or length <= 0:
+            sys.exit(f"bench_diloco: {protocol} trains {length} steps, not a positive multiple of H "
+                     f"{sync_every(odd[0], args) if odd else ''} ({odd[0] if odd else 'warm-steps >= steps'}); "
+                     "give --steps (and --warm-steps) so every arm ends on a synchronisation")
+    if args.data != "synthetic" and not (Path(args.data) / "train.json").is_file():
+        sys.exit(f"bench_diloco: {Path(args.data) / 'train.json'} not found; pass --data FOLDER or --data synthetic")
+    sweep(args)
+    print(table(read(args.out / "results.jsonl")))
+
+
+if __name__ == "__main__":
+    main()
