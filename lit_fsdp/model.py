@@ -234,7 +234,7 @@ class CausalLM(pl.LightningModule):
         if norm is not None:
             self.log("train/grad_norm", norm, sync_dist=False)
         # Logged when it changes: self.log makes a device tensor of a Python number, a blocking host-to-device copy
-        # (one host sync per step on an H200, 2026-11-26, callbacks.HostSyncs).
+        # (a host sync per step, which callbacks.HostSyncs counts).
         if strategy.nonfinite_steps != self._logged_nonfinite_steps:
             self._logged_nonfinite_steps = strategy.nonfinite_steps
             self.log("train/nonfinite_steps", float(strategy.nonfinite_steps), sync_dist=False)
@@ -252,6 +252,8 @@ class CausalLM(pl.LightningModule):
         # The tokenizer itself, not its folder: the checkpoint finds it on any machine (older ones hold a "tokenizer_path").
         checkpoint["tokenizer_files"] = None if tokenizer is None else tokenizer_files(tokenizer)
         checkpoint["seq_len"] = getattr(datamodule, "seq_len", None)
+        # The chat template a fine-tune's samples were rendered with (None: plain text), for generate's prompts.
+        checkpoint["chat_template"] = getattr(datamodule, "chat_template", None)
         reopen_cut_epoch(checkpoint, self._trainer)
 
 

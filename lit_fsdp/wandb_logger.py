@@ -1,8 +1,9 @@
 """Weights & Biases, the default logger: offline unless the user has set W&B up, its files in the run folder.
 
 Without the wandb package the default is ``CSVFallbackLogger`` instead (``default_logger``): metrics in a CSV
-file in the run folder. ``SaveConfig`` puts the resolved config in the run folder and in every W&B run;
-``publish_summary`` puts the run's results record in every W&B run's summary.
+file in the run folder; a WandbLogger whose wandb fails to import is replaced by one (``without_broken_wandb``).
+``SaveConfig`` puts the resolved config in the run folder and in every W&B run; ``publish_summary`` puts the run's
+results record in every W&B run's summary.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from urllib.parse import urlsplit
 import lightning.pytorch as pl
 import yaml
 from lightning.pytorch.cli import SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -71,8 +72,19 @@ def offline_by_default() -> bool:
 
 
 def wandb_installed() -> bool:
-    """Whether the wandb package can be imported, found without importing it (that takes most of a second)."""
+    """Whether the wandb package is there, found without importing it (that takes most of a second)."""
     return importlib.util.find_spec("wandb") is not None
+
+
+def wandb_import_error() -> str | None:
+    """None if the installed wandb package imports, else the first line of what its import raised (a protobuf
+    release it was not built for is the usual cause). It imports wandb: call it only where W&B is about to be used."""
+    try:
+        import wandb  # noqa: F401
+    except Exception as error:  # whatever a broken install raises: ImportError, TypeError from protobuf, ...
+        lines = str(error).strip().splitlines()
+        return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return None
 
 
 def default_logger() -> dict[str, str]:
@@ -87,12 +99,30 @@ class CSVFallbackLogger(CSVLogger):
     def __init__(self) -> None:
         # No arguments: jsonargparse would hand a default logger's init_args to a --trainer.logger that takes them.
         super().__init__(save_dir=".")  # the run folder, from use_folder (the CLI calls it before training)
+        #: why not W&B, and how to get it: said by use_folder
+        self.reason = "the wandb package is not installed", "`pip install wandb` to log to W&B"
 
     def use_folder(self, folder: str) -> None:
         """Log under ``folder`` (the run folder), and say once, on rank 0, why not to W&B and how to get it."""
         self._save_dir = self._root_dir = os.path.abspath(folder)
-        rank_zero_info(f"lit_fsdp: the wandb package is not installed: metrics go to {self.log_dir}/metrics.csv "
-                       "instead of Weights & Biases (`pip install wandb` to log to W&B)")
+        why, fix = self.reason
+        rank_zero_info(f"lit_fsdp: {why}: metrics go to {self.log_dir}/metrics.csv instead of Weights & Biases ({fix})")
+
+
+def without_broken_wandb(loggers: list[Logger]) -> list[Logger]:
+    """``loggers`` with its WandbLoggers replaced by one CSVFallbackLogger when wandb is installed but fails to import.
+
+    Every rank decides alike before any worker starts; otherwise rank 0 would fail at its first log and the others
+    wait for it. Imports wandb only when there is a WandbLogger (rank 0 would import it anyway).
+    """
+    if not any(isinstance(logger, WandbLogger) for logger in loggers) or (error := wandb_import_error()) is None:
+        return loggers
+    fallback = CSVFallbackLogger()
+    fallback.reason = (f"the wandb package is installed but fails to import ({error})",
+                       "`pip install --force-reinstall wandb` to repair it, or `pip uninstall wandb`")
+    first = next(index for index, logger in enumerate(loggers) if isinstance(logger, WandbLogger))
+    kept = [fallback if index == first else logger for index, logger in enumerate(loggers)]
+    return [logger for logger in kept if not isinstance(logger, WandbLogger)]  # the first logger names trainer.log_dir
 
 
 class WandbLogger(LightningWandbLogger):

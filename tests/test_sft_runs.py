@@ -9,14 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from lit_fsdp.data.chat import read_samples
-from lit_fsdp.data.tokenizer import train_bpe
-from lit_fsdp.presets import build_config
-from tests.helpers import REPO, fit
+from tests.helpers import REPO, SFT_SAMPLES, fit, save_sft_base
 
-SAMPLES = REPO / "lit_fsdp" / "data" / "samples" / "reverse_words"
+SAMPLES = SFT_SAMPLES
 # after the config, whose own values would win over fit()'s
 SHORT = ["--trainer.devices", "2", "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "1", "--data.batch_size", "4", "--data.seq_len", "64", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
          "--data.train_path", str(SAMPLES / "train.jsonl"), "--data.val_path", str(SAMPLES / "val.jsonl")]
@@ -25,14 +21,7 @@ SHORT = ["--trainer.devices", "2", "--trainer.max_steps", "4", "--trainer.log_ev
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """A pretrained folder as ``export`` writes one: a tiny GPT-2 and a BPE trained on the sample's text."""
-    folder = tmp_path_factory.mktemp("base")
-    texts = [" ".join(content for _, content in sample.turns) for sample, _ in read_samples(SAMPLES / "train.jsonl")]
-    tokenizer = train_bpe(texts[:1000], 400)
-    tokenizer.save_pretrained(folder)
-    config = build_config("gpt2-tiny", {"vocab_size": len(tokenizer), "n_positions": 128})
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder, safe_serialization=True)
-    return folder
+    return save_sft_base(tmp_path_factory.mktemp("base"))
 
 
 @pytest.mark.parametrize("config", ["sft_full.yaml", "sft_lora.yaml"])

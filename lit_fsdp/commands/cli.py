@@ -26,7 +26,7 @@ from lit_fsdp.errors import PeerLostError, lost_peer
 from lit_fsdp.commands.help import PlainHelpFormatter
 from lit_fsdp.model import CausalLM
 from lit_fsdp.strategy import CausalLMStrategy
-from lit_fsdp.wandb_logger import CSVFallbackLogger, SaveConfig, WandbLogger, default_logger
+from lit_fsdp.wandb_logger import CSVFallbackLogger, SaveConfig, WandbLogger, default_logger, without_broken_wandb
 
 TRAINER_DEFAULTS = {
     "strategy": {"class_path": "lit_fsdp.strategy.FSDP2Strategy"},
@@ -164,6 +164,7 @@ class LitFsdpCLI(LightningCLI):
             checkpoints.check_space(self.trainer, self.model.hf_config(self.datamodule), self.model.hparams.get("lora"))
         self._resolve_checkpoint()
         # W&B's name is the results.jsonl record's; a tag per method makes runs easy to filter.
+        self.trainer.loggers = without_broken_wandb(self.trainer.loggers)
         for logger in self.trainer.loggers:
             if isinstance(logger, WandbLogger):
                 tags = [compression_method(self.trainer)]

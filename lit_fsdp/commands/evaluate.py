@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from lit_fsdp.data.blocks import TokenBlocks
 from lit_fsdp.data.chat import ChatRenderer, Sample, read_samples
-from lit_fsdp.data.token_cache import cache_dir_or_default, cached_tokens, check_corpus_file, first_char
+from lit_fsdp.data.corpus import check_corpus_file, first_char
+from lit_fsdp.data.token_cache import cache_dir_or_default, cached_tokens
 from lit_fsdp.commands.trained import DType, Trained, load_trained
 
 #: The file in a run folder that collects one line per evaluation.

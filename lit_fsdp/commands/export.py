@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from lit_fsdp import checkpoints, lora
+from lit_fsdp.data.chat import jinja_template
 from lit_fsdp.data.tokenizer import tokenizer_from_files
 from lit_fsdp.errors import OneLineError
 from lit_fsdp.lightning_compat import METADATA_FILENAME as _METADATA_FILENAME
@@ -158,7 +159,10 @@ def export_hf(checkpoint: str, output: str, tokenizer_path: str | None = None, a
     model = model_from_checkpoint(source, meta, base_path)
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer_path is None and meta.get("tokenizer_files"):
-        tokenizer_from_files(meta["tokenizer_files"], source).save_pretrained(out)
+        tokenizer = tokenizer_from_files(meta["tokenizer_files"], source)
+        if meta.get("chat_template"):  # a chat fine-tune: apply_chat_template renders prompts as its training did
+            tokenizer.chat_template = jinja_template(meta["chat_template"])
+        tokenizer.save_pretrained(out)
     else:
         tokenizer_path = tokenizer_path or meta.get("tokenizer_path")  # an older checkpoint's tokenizer folder
         if tokenizer_path and Path(tokenizer_path).is_dir():

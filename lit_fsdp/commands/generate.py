@@ -1,15 +1,24 @@
-"""``python -m lit_fsdp generate``: continue a prompt with a trained model, printing the text as it is produced."""
+"""``python -m lit_fsdp generate``: continue a prompt with a trained model, printing the text as it is produced.
+
+A model fine-tuned on chat answers the prompt as the user's turn, rendered with the template of its training; a model
+trained on plain text (or ``--raw``) continues the prompt as the start of a new document.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import TextStreamer
 
+from lit_fsdp.commands.evaluate import end_of_turn, stop_tokens
 from lit_fsdp.commands.trained import DType, Trained, load_trained
+from lit_fsdp.data.chat import Sample
+
+#: A conversation's turns so far, (role, content), as ``ChatRenderer.generation_ids`` takes them.
+Turns = Sequence[tuple[str, str]]
 
 
 class _Stream(TextStreamer):
@@ -35,6 +44,19 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k:
         raise ValueError(f"--top_k {top_k} must be >= 0 (0: no top-k cut)")
 
 
+def prompt_ids(trained: Trained, prompt: str, raw: bool = False, history: Turns = ()) -> list[int]:
+    """The token ids generation starts from.
+
+    For a chat fine-tune, ``prompt`` is the user's turn after ``history``, rendered with the training's template and
+    followed by the assistant's header. Otherwise, or with ``raw``, it starts a new document: it follows the eos token
+    that separates documents in training.
+    """
+    if trained.chat is not None and not raw:
+        return trained.chat.generation_ids([*history, ("user", prompt)])
+    tokenizer = trained.tokenizer
+    return [tokenizer.eos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+
+
 def continue_text(
     trained: Trained,
     prompt: str,
@@ -44,20 +66,23 @@ def continue_text(
     top_p: float = 1.0,
     top_k: int = 50,
     seed: int = 1234,
+    raw: bool = False,
+    history: Turns = (),
 ) -> torch.Tensor:
-    """Generate after ``prompt``, passing the text to ``write`` piece by piece; returns the new token ids.
-
-    The prompt starts a new document: it follows the eos token that separates documents in training.
-    """
+    """Generate after ``prompt`` (and the conversation ``history`` of a chat fine-tune, see ``prompt_ids``), passing
+    the text to ``write`` piece by piece; returns the new token ids, up to the end of the document or the answer."""
     tokenizer, model = trained.tokenizer, trained.model
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    input_ids = torch.tensor([[tokenizer.eos_token_id, *prompt_ids]], device=model.device)
+    input_ids = torch.tensor([prompt_ids(trained, prompt, raw, history)], device=model.device)
     length = input_ids.shape[1] + max_new_tokens
     if trained.positions is not None and length > trained.positions:
         raise ValueError(
             f"the prompt's {input_ids.shape[1]} tokens and --max_new_tokens {max_new_tokens} exceed the model's "
             f"{trained.positions} positions; shorten the prompt or lower --max_new_tokens"
         )
+    stops: int | list[int] = tokenizer.eos_token_id
+    if trained.chat is not None and not raw:  # an answer also ends with its template's end of turn, read off an exchange
+        exchange = Sample("an exchange", (("user", "?"), ("assistant", "!")))
+        stops = sorted(stop_tokens(trained, end_of_turn(trained.chat, exchange)))
     sampling = {"do_sample": False}
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
@@ -67,7 +92,7 @@ def continue_text(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=stops,
             pad_token_id=tokenizer.eos_token_id,
             use_cache=True,
             streamer=_Stream(trained, write),
@@ -87,8 +112,12 @@ def generate(
     device: str = "auto",
     dtype: DType = "float32",
     tokenizer_path: str | None = None,
+    raw: bool = False,
 ) -> None:
     """Continue a prompt with a trained model, printing the text as it comes; without --prompt, ask for prompts.
+
+    A model fine-tuned on chat data answers each prompt as the user's turn, rendered with its training's chat
+    template; asked for prompts, it keeps the conversation (every earlier turn is rendered before the new one).
 
     Args:
         checkpoint: A run folder (its checkpoints/last.ckpt), a checkpoint written by fit (a sharded folder is
@@ -102,15 +131,21 @@ def generate(
         device: auto (the GPU if there is one, else the CPU), cpu, cuda or cuda:N.
         dtype: Dtype of the weights on the device.
         tokenizer_path: Tokenizer folder to use instead of the one the run trained with.
+        raw: Send the prompt as it is, after the document separator, as to a model trained on plain text (the default
+            for one); without it, a model fine-tuned on chat gets each prompt as a user turn of its chat template.
     """
     check_sampling(max_new_tokens, temperature, top_p, top_k)
     trained = load_trained(checkpoint, device, dtype, tokenizer_path)
-    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                    raw=raw)
+    chat = trained.chat is not None and not raw
     if prompt is not None:
-        _print(prompt)
+        _print(prompt + ("\n" if chat else ""))
         _timed(lambda: continue_text(trained, prompt, _print, **settings))
         return
-    print(f"{trained.source} on {trained.model.device}: type a prompt and press Enter; Ctrl-D ends", file=sys.stderr)
+    kind = "a message" if chat else "a prompt"
+    print(f"{trained.source} on {trained.model.device}: type {kind} and press Enter; Ctrl-D ends", file=sys.stderr)
+    history: list[tuple[str, str]] = []
     while True:
         try:
             line = input("> ")
@@ -118,15 +153,31 @@ def generate(
             print()
             return
         if line.strip():
-            _timed(lambda: continue_text(trained, line, _print, **settings))
+            history = _fitting(trained, line, history, max_new_tokens)
+            answer = _timed(lambda: continue_text(trained, line, _print, history=history, **settings))
+            if chat:
+                history += [("user", line), ("assistant", trained.tokenizer.decode(answer, skip_special_tokens=True))]
+
+
+def _fitting(trained: Trained, line: str, history: list[tuple[str, str]], max_new_tokens: int) -> list[tuple[str, str]]:
+    """``history`` without its oldest exchanges (a question and its answer) while ``line`` after it and the answer
+    would not fit in the model's positions."""
+    dropped, limit = 0, trained.positions
+    while history and limit is not None and len(prompt_ids(trained, line, history=history)) + max_new_tokens > limit:
+        history, dropped = history[2:], dropped + 1
+    if dropped:
+        print(f"[the {dropped} oldest exchanges left out: the conversation outgrew the model's {trained.positions} "
+              "positions]", file=sys.stderr)
+    return history
 
 
 def _print(text: str) -> None:
     print(text, end="", flush=True)
 
 
-def _timed(run: Callable[[], torch.Tensor]) -> None:
+def _timed(run: Callable[[], torch.Tensor]) -> torch.Tensor:
     started = time.perf_counter()
-    count = len(run())
+    ids = run()
     seconds = time.perf_counter() - started
-    print(f"[{count} tokens in {seconds:.2f} s, {count / seconds:.1f} tokens/s]", file=sys.stderr)
+    print(f"[{len(ids)} tokens in {seconds:.2f} s, {len(ids) / seconds:.1f} tokens/s]", file=sys.stderr)
+    return ids

@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from lit_fsdp.data.chat import ChatRenderer, recorded_renderer
 from lit_fsdp.data.tokenizer import load_tokenizer, tokenizer_from_files
 from lit_fsdp.commands.export import model_from_checkpoint, read_metadata
 from lit_fsdp.lightning_compat import METADATA_FILENAME as _METADATA_FILENAME
@@ -31,6 +33,7 @@ class Trained:
     run_folder: Path | None  # the run the checkpoint belongs to (it holds config.yaml), None for a Hugging Face folder
     seq_len: int | None  # the sequence length of training, when the checkpoint records it
     step: int | None  # the optimizer step of the checkpoint
+    chat: ChatRenderer | None = None  # for a model fine-tuned on chat: how its training rendered a conversation
 
     @property
     def positions(self) -> int | None:
@@ -108,7 +111,26 @@ def load_trained(path: str, device: str = "auto", dtype: DType = "float32", toke
         )
     model.config.use_cache = True  # training switches the key/value cache off; generation wants it
     model.to(device=target, dtype=getattr(torch, dtype)).eval()
-    return Trained(model, tokenizer, source, run_folder, meta.get("seq_len"), meta.get("global_step"))
+    chat = _chat_renderer(tokenizer, meta, run_folder, hugging_face)
+    return Trained(model, tokenizer, source, run_folder, meta.get("seq_len"), meta.get("global_step"), chat)
+
+
+def _chat_renderer(tokenizer: PreTrainedTokenizerBase, meta: dict, run_folder: Path | None,
+                   hugging_face: bool) -> ChatRenderer | None:
+    """How training rendered chat, for a model fine-tuned on it: the template the checkpoint records; for a checkpoint
+    written before checkpoints recorded it, the tokenizer's own or the plain template when its run's config.yaml
+    names the fine-tuning data; for a Hugging Face folder, its tokenizer's template (an export carries its run's)."""
+    if hugging_face:
+        return ChatRenderer(tokenizer) if isinstance(getattr(tokenizer, "chat_template", None), str) else None
+    template = meta.get("chat_template")
+    if "chat_template" not in meta and run_folder is not None and _fine_tuned_on_chat(run_folder / "config.yaml"):
+        template = ChatRenderer(tokenizer).template_identity
+    return None if template is None else recorded_renderer(tokenizer, template)
+
+
+def _fine_tuned_on_chat(config: Path) -> bool:
+    data = (yaml.safe_load(config.read_text()) or {}).get("data")
+    return isinstance(data, dict) and str(data.get("class_path", "")).endswith("SFTDataModule")
 
 
 def _tokenizer_folder(folder: str | None, missing: str, source: Path) -> Path:

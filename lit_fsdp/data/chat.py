@@ -19,18 +19,27 @@ tokenised on its own, so a target span is exact whatever the tokenizer merges ac
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from lit_fsdp.data.token_cache import first_char
+from lit_fsdp.data.corpus import first_char
 
 ROLES = ("system", "user", "assistant")
 #: The template used when the tokenizer has no chat template; part of the token cache's key.
 PLAIN_TEMPLATE = "plain-v1: <|role|>\\n{content}\\n per turn; assistant: <|assistant|>\\n{content}<eos>"
+#: The plain template as a Jinja chat template, for the Hugging Face export of a run rendered with it:
+#: ``apply_chat_template`` then renders the text ``ChatRenderer`` renders, each answer followed by the eos token.
+PLAIN_JINJA = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{{ '<|assistant|>\\n' + message['content'] + eos_token }}"
+    "{%- else -%}{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
+)
 
 
 @dataclass(frozen=True)
@@ -248,6 +257,11 @@ class ChatRenderer:
         """The token ids of ``sample`` and which of them are targets (the assistant's answers)."""
         return self.encode([sample])[0]
 
+    def generation_ids(self, turns: Sequence[tuple[str, str]]) -> list[int]:
+        """The tokens a model answering the conversation ``turns`` ((role, content), the last the user's) is given:
+        the turns token for token as training rendered them, then the assistant's header (the generation prompt)."""
+        return self.prompt_ids(Sample("the conversation", (*turns, ("assistant", ""))))
+
     def prompt_ids(self, sample: Sample) -> list[int]:
         """The tokens before the last assistant answer (its header included): what a model is given to generate that
         answer, token for token what training saw before it. ``sample.reference`` is the answer's text."""
@@ -256,3 +270,15 @@ class ChatRenderer:
         if not targets:
             raise ValueError(f"{sample.where}: the sample has no assistant turn to generate")
         return [token for piece, _ in pieces[: targets[-1]] for token in piece]
+
+
+def recorded_renderer(tokenizer: PreTrainedTokenizerBase, template: str) -> ChatRenderer:
+    """The renderer of a run whose samples were rendered with ``template`` (its ``template_identity``, which a
+    checkpoint records); ``tokenizer`` is given that template, or none for the plain one."""
+    tokenizer.chat_template = None if template == PLAIN_TEMPLATE else template
+    return ChatRenderer(tokenizer)
+
+
+def jinja_template(template: str) -> str:
+    """The Jinja chat template an export's tokenizer carries for a run rendered with ``template`` (its identity)."""
+    return PLAIN_JINJA if template == PLAIN_TEMPLATE else template
