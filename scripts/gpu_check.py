@@ -1,14 +1,17 @@
-"""GPU first light (issue 26): one command that turns a short window on one GPU into measured figures.
+"""The GPU check: one command that turns a short window on one GPU into measured figures, each beside its estimate.
 
-    python scripts/gpu_check.py --out gpu_out                     # every step, within --budget seconds
-    python scripts/gpu_check.py --out gpu_out --steps slide_fsdp  # continue where a window stopped
+    python scripts/gpu_check.py --out gpu_out                     # the default plan, within --budget seconds
+    python scripts/gpu_check.py --out gpu_out --steps slide_fsdp  # other steps, or continue where a window stopped
     python scripts/gpu_check.py --device cpu --out /tmp/check     # tiny sizes, every step's code path (CI)
 
 Each step runs in its own process group under its own deadline (the smaller of the step's and what is left of
 the budget): a step that runs out of time is reported as ``timeout`` with what it recorded so far, and the
-next one runs. Written under ``--out``, few files so a device window can bring them back: ``summary.json``
-(every step's record), ``check.log`` (every step's output), ``hardware.json`` (the probe's measured rates in
-the ``--tune.hardware`` format, for ``estimate``), and a short table printed last.
+next one runs. Every rate leaves out the first ``--warmup-steps`` optimizer steps of its run, and the records and
+the tables say how many. Before every training run, ``estimate``'s JSON for its configs is written with the
+probe's ``hardware.json``. Written under ``--out``, few files so a device window can bring them back:
+``summary.json`` (every step's record), ``check.log`` (every step's output), ``hardware.json`` (the probe's
+measured rates in the ``--tune.hardware`` format), ``estimate.json`` (every run's estimate, by run name), and two
+short tables printed last: the training runs' rates, then the steps.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -181,6 +184,53 @@ def _bandwidths(record: Record, device: str) -> dict[str, float]:
     return rates
 
 
+def _update_rate(record: Record, device: str, work: Path) -> dict[str, float]:
+    """GB/s of SlideFSDP's CPU update on this host (the native kernel, its threads the cores less one, as the 8B run's):
+    ``scripts/bench_cpu_update.py``'s rows with float32 and bfloat16 moments, bfloat16 gradients."""
+    threads = max(1, (os.cpu_count() or 2) - 1)
+    out = work / "bench_cpu_update.jsonl"
+    out.unlink(missing_ok=True)
+    _command("cpu_update", [sys.executable, "scripts/bench_cpu_update.py", "--numel", str(2**27 if device == "cuda" else 2**22),
+                            "--threads", str(threads), "--repeats", "2", "--paths", "native", "--out", str(out)],
+             work, record)
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    rates = {f"cpu_update_{row['optimizer_state_dtype']}_moments_gbps": round(row["gbps"], 1)
+             for row in rows if row["gradient_dtype"] == "bfloat16"}
+    rates["cpu_update_copy_gbps"] = round(rows[0]["copy_gb_per_s"], 1)
+    record.put(cpu_update_threads=threads, **rates)
+    return rates
+
+
+def _model_efficiency(record: Record, peak_tflops: float) -> float:
+    """The share of ``peak_tflops`` (bfloat16) the forward and backward of a Llama-8B-shaped model reach on this GPU:
+    two of its blocks with the embeddings and head, every block checkpointed, 4 x 2048 tokens, timed over three steps
+    against the FLOPs ``lit_fsdp.flops`` counts for them (``estimate``'s ``compute_efficiency``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
+    from lit_fsdp.presets import build_config
+
+    config = build_config("llama-8b", {"vocab_size": 128256, "num_hidden_layers": 2})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable()
+    model.train()
+    tokens = torch.randint(0, config.vocab_size, (4, 2048), device="cuda")
+
+    def step() -> None:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+
+    seconds = _median_ms(step, 3, "cuda") / 1e3
+    flops = tokens.numel() * (flops_per_token(config, 2048) + recompute_flops_per_token(config, 2048, 1))
+    efficiency = flops / seconds / (peak_tflops * 1e12)
+    record.put(model_step_s=round(seconds, 4), model_tflops=round(flops / seconds / 1e12, 1),
+               compute_efficiency=round(efficiency, 3))
+    del model
+    torch.cuda.empty_cache()
+    return efficiency
+
+
 def step_probe(record: Record, device: str, work: Path) -> None:
     """Versions, the device, host memory, cores; a large registration and its failure path; measured rates."""
     import torch
@@ -204,10 +254,14 @@ def step_probe(record: Record, device: str, work: Path) -> None:
     from lit_fsdp.commands.tune.hardware import detect
 
     hardware = asdict(detect())
+    update = _update_rate(record, device, work)
+    # estimate's rates: the update's own (bfloat16 moments, as the 8B config ships), the copies', and on a GPU the
+    # share of the measured GEMM peak a transformer's forward and backward reach
+    hardware["host_memory_gbps"] = update.get("cpu_update_bfloat16_moments_gbps") or round(rates["host_copy_gbps"], 1)
     if device == "cuda":
         hardware["pcie_gbps"] = round(min(rates["h2d_registered_gbps"], rates["d2h_registered_gbps"]), 1)
         hardware["peak_tflops"] = {**hardware["peak_tflops"], "bf16": round(rates["gemm_bf16_tflops"], 1)}
-    hardware["host_memory_gbps"] = round(rates["host_copy_gbps"], 1)
+        hardware["compute_efficiency"] = round(min(1.0, _model_efficiency(record, rates["gemm_bf16_tflops"])), 3)
     (work / "hardware.json").write_text(json.dumps(hardware, indent=2) + "\n")
     record.put(hardware=hardware)
 
@@ -271,38 +325,91 @@ def _losses(folder: Path) -> dict[int, float]:
     return losses
 
 
+#: Optimizer steps left out of every rate by default: allocation and first touch, and the delayed update's first step,
+#: which has no update to overlap.
+WARMUP_STEPS = 2
+WARMUP_VARIABLE = "GPU_CHECK_WARMUP_STEPS"  # --warmup-steps, handed to the steps' processes
+HOST_MEMORY_VARIABLE = "GPU_CHECK_HOST_MEMORY_GB"  # --host-memory-gb, handed to the steps' processes
+
+
+def _warmup_steps() -> int:
+    return int(os.environ.get(WARMUP_VARIABLE, WARMUP_STEPS))
+
+
+def _measuring(offload: bool, extra: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """A measured run's callbacks: ``extra`` first, then the rates with the first ``--warmup-steps`` left out
+    (Throughput, and OffloadStats under SlideFSDP), peaks, and the results record last (it reads the others)."""
+    warmup = {"init_args": {"warmup_steps": _warmup_steps()}}
+    offload_stats = [{"class_path": "callbacks.OffloadStats", **warmup}] if offload else []
+    return [*extra, {"class_path": "callbacks.Throughput", **warmup}, {"class_path": "callbacks.Memory"}, *offload_stats,
+            {"class_path": "callbacks.Results"}]
+
+
+def _estimate(name: str, work: Path, fit_args: list[str]) -> dict[str, Any]:
+    """``estimate``'s JSON for a run's configs, with the probe's ``hardware.json`` (this machine, detected, where
+    the probe has not run), written to ``<work>/<name>.estimate.json`` before the run starts; the figures the run is
+    compared with are returned (or the error: an estimate that fails does not stop the measurement)."""
+    from lit_fsdp.commands.estimate import estimate_step, parse
+    from lit_fsdp.commands.tune.hardware import load
+
+    hardware = work / "hardware.json"
+    try:
+        trainer, module, data = parse(fit_args, load(hardware) if hardware.is_file() else None)
+        figures = estimate_step(trainer, module, data, trainer.hardware)
+    except (Exception, SystemExit) as error:  # jsonargparse exits on a config it refuses
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+    path = work / f"{name}.estimate.json"
+    path.write_text(json.dumps(figures, indent=2) + "\n")  # what `python -m lit_fsdp estimate --json` prints
+    return {"file": path.name, "hardware": hardware.name if hardware.is_file() else "detected",
+            "step_time_s": figures["step_time_s"], "mfu": figures["mfu"],
+            "cpu_update_bytes": figures["cpu_update_bytes"],
+            "device_peak_gib": figures["device_peak_bytes"] / GIB, "host_gib": figures["host_bytes"] / GIB,
+            "fits": figures["fits"]}
+
+
 def _fit(name: str, work: Path, configs: list[str], record: Record, steps: int, min_free_gib: float = 4.0,
-         checkpoints: bool = False, ckpt_path: str | None = None, folder: Path | None = None) -> dict[str, Any]:
+         checkpoints: bool = False, ckpt_path: str | None = None, folder: Path | None = None,
+         measure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One ``python -m lit_fsdp fit`` run in ``folder`` (default: work/name): CSV logger (W&B may be missing), no
-    validation, no checkpoints unless asked (a config then names its ModelCheckpoint), a loss per step. While it runs, its progress (set-up time, steps done, steps/s) goes into the record every few seconds, so
-    a step cut by its deadline still says how far it got; a watchdog ends it before the host runs out of memory
-    (MemAvailable under ``min_free_gib``). Returns its results.jsonl record and its per-step losses."""
+    validation, no checkpoints unless asked (a config then names its ModelCheckpoint), a loss per step. A run given
+    ``measure`` (its callbacks, from ``_measuring``) runs ``--warmup-steps`` more steps than ``steps``, left out of
+    every rate. ``estimate``'s JSON for its configs is written first (``_estimate``). While it runs, its progress
+    (set-up time, steps done, steps/s after the warm-up) goes into the record every few seconds, so a step cut by its
+    deadline still says how far it got; a watchdog ends it before the host runs out of memory (MemAvailable under
+    ``min_free_gib``). Returns its record: results.jsonl's line, per-step losses and ``figures`` (``_figures``)."""
     folder = folder or work / name
+    warmup = _warmup_steps() if measure is not None else 0
     trainer = {
-        "max_steps": steps, "limit_val_batches": 0, "enable_checkpointing": checkpoints, "enable_progress_bar": False,
-        "log_every_n_steps": 1, "default_root_dir": str(folder),
+        "max_steps": warmup + steps, "limit_val_batches": 0, "enable_checkpointing": checkpoints,
+        "enable_progress_bar": False, "log_every_n_steps": 1, "default_root_dir": str(folder),
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                    "init_args": {"save_dir": str(folder), "name": "csv", "flush_logs_every_n_steps": 1}},
+        **({"callbacks": measure} if measure is not None else {}),
     }
     override = _yaml(work / f"{name}.yaml", {"trainer": trainer})
-    command = [sys.executable, "-m", "lit_fsdp", "fit", *[a for c in configs for a in ("--config", c)], "--config", str(override)]
-    command += ["--ckpt_path", ckpt_path] if ckpt_path else []
+    fit_args = [*[a for c in configs for a in ("--config", c)], "--config", str(override)]
+    run: dict[str, Any] = {"rc": None, "losses": [], "estimate": _estimate(name, work, fit_args)}
+    if measure is not None:
+        run["warmup_steps_left_out"] = warmup
+    record.put(**{name: run})
+    command = [sys.executable, "-m", "lit_fsdp", "fit", *fit_args] + (["--ckpt_path", ckpt_path] if ckpt_path else [])
     print("$", " ".join(command), flush=True)
     begin = time.perf_counter()
     child = subprocess.Popen(command, cwd=ROOT, stdout=sys.stdout, stderr=subprocess.STDOUT, start_new_session=True,
                              env=_environment())
-    run: dict[str, Any] = {"rc": None, "losses": []}
-    first_step_at = None
+    first_step_at = steady_from = None
     while child.poll() is None:
         time.sleep(2)
         losses = _losses(folder)
         now = time.perf_counter() - begin
         if losses and first_step_at is None:
             first_step_at = now
+        if steady_from is None and len(losses) >= max(warmup, 1):  # the steps/s below leave the warm-up out too
+            steady_from = (now, len(losses))
         run.update(wall_s=round(now, 1), steps_done=len(losses), first_step_s=first_step_at and round(first_step_at, 1),
                    min_mem_available_gib=min(run.get("min_mem_available_gib", 1e9), _meminfo()["MemAvailable_gib"]))
-        if first_step_at is not None and len(losses) > 1:
-            run["steps_per_s"] = round((len(losses) - 1) / max(now - first_step_at, 1e-9), 3)
+        if steady_from is not None and len(losses) > steady_from[1]:
+            run["steps_per_s"] = round((len(losses) - steady_from[1]) / max(now - steady_from[0], 1e-9), 3)
         record.put(**{name: run})
         if run["min_mem_available_gib"] < min_free_gib:
             os.killpg(child.pid, signal.SIGKILL)
@@ -314,14 +421,31 @@ def _fit(name: str, work: Path, configs: list[str], record: Record, steps: int, 
     run.update(rc=child.returncode, wall_s=round(time.perf_counter() - begin, 1), steps_done=len(losses),
                result=json.loads(results.read_text().splitlines()[-1]) if results.is_file() else {},
                losses=[losses[k] for k in sorted(losses)])
+    if measure is not None:
+        run["figures"] = _figures(run)
     record.put(**{name: run})
     if child.returncode != 0:
         raise RuntimeError(f"{name}: fit exited {child.returncode}" + (f" ({run['stopped']})" if "stopped" in run else ""))
     return run
 
 
-HOST_MEMORY_VARIABLE = "GPU_CHECK_HOST_MEMORY_GB"  # --host-memory-gb, handed to the steps' processes
-MEASURING_CALLBACKS = [{"class_path": f"callbacks.{name}"} for name in ("Throughput", "Memory", "Results")]
+def _figures(run: dict[str, Any]) -> dict[str, Any]:
+    """The figures of a measured run that the records' summaries and the tables show: results.jsonl's rates (the
+    warm-up left out), peaks and offload figures, the lowest MemAvailable, and the CPU update's GB/s: the bytes
+    ``estimate`` counts for it over its measured time (absent where either is)."""
+    result, estimate = run.get("result", {}), run.get("estimate", {})
+    keys = ("tokens_per_s", "mfu", "steps_measured", "warmup_steps_included", "step_time_ms_mean", "step_time_ms_p50",
+            "peak_allocated_gb", "peak_reserved_gb", "train_loss")
+    figures = {key: value for key, value in result.items()
+               if key in keys or key.startswith(("offload_", "host_", "memory_", "perf_", "mfu", "tokens"))}
+    figures.update(warmup_steps_left_out=run.get("warmup_steps_left_out"),
+                   min_mem_available_gib=run.get("min_mem_available_gib"))
+    update_ms, update_bytes = result.get("offload_cpu_update_ms"), estimate.get("cpu_update_bytes")
+    if update_ms and update_bytes:
+        figures["offload_cpu_update_gbps"] = update_bytes / 1e9 / (update_ms / 1e3)
+    if estimate.get("step_time_s") is not None:
+        figures["estimate_step_time_s"] = estimate["step_time_s"]
+    return figures
 
 
 def _offload_strategy(device: str, dtype: str, **knobs: Any) -> dict[str, Any]:
@@ -333,36 +457,76 @@ def _offload_strategy(device: str, dtype: str, **knobs: Any) -> dict[str, Any]:
     return {"class_path": "offload.SlideFSDPStrategy", "init_args": init}
 
 
+def _tiny(layers: int) -> dict[str, Any]:
+    """The CPU mode's model and data: llama-tiny, at most 4 blocks, 2 x 64 tokens."""
+    return {"model": {"preset": "llama-tiny", "config_overrides": {"num_hidden_layers": min(layers, 4)}},
+            "data": {"init_args": {"vocab_size": 512, "seq_len": 64, "batch_size": 2}}}
+
+
 def _shape(device: str, preset: str, layers: int, seq_len: int, batch: int) -> dict[str, Any]:
     if device == "cuda":
         return {"model": {"preset": preset, "config_overrides": {"num_hidden_layers": layers}},
                 "data": {"init_args": {"vocab_size": 128256, "seq_len": seq_len, "batch_size": batch}}}
-    return {"model": {"preset": "llama-tiny", "config_overrides": {"num_hidden_layers": min(layers, 4)}},
-            "data": {"init_args": {"vocab_size": 512, "seq_len": 64, "batch_size": 2}}}
+    return _tiny(layers)
 
 
 def _accelerator(device: str) -> dict[str, Any]:
     return {"accelerator": "gpu" if device == "cuda" else "cpu", "devices": 1}
 
 
+def _merge(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``more`` laid over it, key by key at every depth."""
+    merged = dict(base)
+    for key, value in more.items():
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merge(merged[key], value) if both else value
+    return merged
+
+
+def _nest(settings: dict[str, Any]) -> dict[str, Any]:
+    """``{"a.b": 1}`` as ``{"a": {"b": 1}}``: a config override from dotted keys."""
+    nested: dict[str, Any] = {}
+    for dotted, value in settings.items():
+        *parents, leaf = dotted.split(".")
+        node = nested
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return nested
+
+
+def _as_shipped(device: str, layers: int | None = None) -> dict[str, Any]:
+    """What a run of configs/llama_8b_offload.yaml as shipped overrides: the device and, on a GPU, the host memory
+    the preflight may count on (and ``layers`` of its 32 blocks, when given); on the CPU, llama-tiny in float32."""
+    if device == "cuda":
+        init = {"host_memory_gb": float(os.environ[HOST_MEMORY_VARIABLE])}
+        overrides = {"model": {"config_overrides": {"num_hidden_layers": layers}}} if layers else {}
+    else:
+        init, overrides = {"param_dtype": "float32"}, _tiny(2)
+    return {**overrides, "trainer": {**_accelerator(device),
+                                     "strategy": {"class_path": "offload.SlideFSDPStrategy", "init_args": init}}}
+
+
+#: The 8B's settings before issue 35, which windows 1-3 measured (docs/gpu_runs/2026-11-26-h100/summary-2.json, step
+#: ``eight_b_fp32``): the control step lays them over configs/llama_8b_offload.yaml, whatever it ships.
+EIGHT_B_BEFORE = {
+    "data.init_args.batch_size": 8,  # 8 x 2048 = 16,384 tokens per optimizer step
+    "trainer.gradient_clip_val": None,
+    "trainer.strategy.init_args.optimizer_state_dtype": "float32",
+    "trainer.strategy.init_args.delayed_update": False,
+    "trainer.strategy.init_args.gradient_slots": 2,  # max(2, window): the ring of those windows
+    "trainer.strategy.init_args.activation_offload": "cpu",
+}
+
+
 def step_slide_fsdp(record: Record, device: str, work: Path) -> None:
-    """SlideFSDP as configs/llama_8b_offload.yaml with 8 of its 32 blocks (about 2.8B), 10 steps, host syncs counted."""
-    overrides = _shape(device, "llama-8b", 8, 2048, 8)
-    callbacks = [{"class_path": "callbacks.HostSyncs", "init_args": {"warmup_steps": 3, "steps": 5}},
-                 {"class_path": "callbacks.OffloadStats"}, *MEASURING_CALLBACKS]
-    overrides["trainer"] = {**_accelerator(device), "gradient_clip_val": None, "callbacks": callbacks,
-                            "strategy": _offload_strategy(device, "bfloat16" if device == "cuda" else "float32")}
-    override = _yaml(work / "slide_fsdp_shape.yaml", overrides)
-    run = _fit("slide_fsdp", work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(override)], record,
-               10 if device == "cuda" else 3)
-    record.put(summary=_figures(run["result"]))
-
-
-def _figures(result: dict[str, Any]) -> dict[str, Any]:
-    """The figures of a results.jsonl record that the table shows."""
-    keys = ("tokens_per_s", "mfu", "step_time_ms", "peak_allocated_gb", "peak_reserved_gb", "train_loss")
-    return {key: value for key, value in result.items()
-            if key in keys or key.startswith(("offload_", "host_", "memory_", "perf_", "mfu", "tokens"))}
+    """configs/llama_8b_offload.yaml as shipped with 8 of its 32 blocks (about 2.8B), 8 steps measured, host syncs
+    counted."""
+    syncs = {"class_path": "callbacks.HostSyncs", "init_args": {"warmup_steps": _warmup_steps(), "steps": 5}}
+    config = _yaml(work / "slide_fsdp_shape.yaml", _as_shipped(device, layers=8))
+    run = _fit("slide_fsdp", work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(config)], record,
+               8 if device == "cuda" else 1, measure=_measuring(offload=True, extra=[syncs]))
+    record.put(summary=run["figures"])
 
 
 def step_parity(record: Record, device: str, work: Path) -> None:
@@ -390,48 +554,71 @@ def step_parity(record: Record, device: str, work: Path) -> None:
         raise RuntimeError(f"parity: relative loss difference {relative[0]:.2e} at step 1, {max(relative):.2e} at most")
 
 
+def _fsdp2_1b(name: str, record: Record, device: str, work: Path, batch: int | None = None,
+              model: dict[str, Any] | None = None, **knobs: Any) -> None:
+    """configs/llama_1b.yaml on one device with its preset's 128k vocabulary, ``batch`` sequences of 2048 tokens
+    (default: the config's), ``model`` settings and the strategy's ``knobs`` laid over it, 28 steps measured after
+    the warm-up; on the CPU, llama-tiny in float32."""
+    if device == "cuda":
+        overrides = {"data": {"init_args": {"vocab_size": 128256, **({"batch_size": batch} if batch else {})}}}
+    else:
+        overrides, knobs = _tiny(16), {**knobs, "param_dtype": "float32", "compile_blocks": False}
+    overrides = _merge(overrides, {"model": model or {}, "trainer": _accelerator(device)})
+    if knobs:
+        overrides["trainer"]["strategy"] = {"class_path": "lit_fsdp.strategy.FSDP2Strategy", "init_args": knobs}
+    config = _yaml(work / f"{name}_shape.yaml", overrides)
+    run = _fit(name, work, ["configs/quickstart.yaml", "configs/llama_1b.yaml", str(config)], record,
+               28 if device == "cuda" else 1, measure=_measuring(offload=False))
+    record.put(summary=run["figures"])
+
+
 def step_fsdp2_1b(record: Record, device: str, work: Path) -> None:
-    """FSDP2, Llama-3.2-1B shape (128k vocabulary), bf16, 4 x 2048 tokens, 30 steps: MFU and device peak."""
-    overrides = _shape(device, "llama-1b", 16, 2048, 4)
-    overrides["trainer"] = {**_accelerator(device), "callbacks": MEASURING_CALLBACKS}
-    if device == "cpu":
-        overrides["trainer"]["strategy"] = {"class_path": "lit_fsdp.strategy.FSDP2Strategy",
-                                            "init_args": {"param_dtype": "float32"}}
-    config = _yaml(work / "fsdp2_1b_shape.yaml", overrides)
-    run = _fit("fsdp2_1b", work, ["configs/quickstart.yaml", "configs/llama_1b.yaml", str(config)], record,
-               30 if device == "cuda" else 3)
-    record.put(summary=_figures(run["result"]))
+    """configs/llama_1b.yaml as shipped (FSDP2, Llama-3.2-1B shape, 128k vocabulary): MFU and device peak."""
+    _fsdp2_1b("fsdp2_1b", record, device, work)
 
 
 def step_fsdp2_1b_no_ac(record: Record, device: str, work: Path) -> None:
-    """fsdp2_1b without activation checkpointing (its activations fit a large GPU): the recompute's cost in MFU."""
-    overrides = _shape(device, "llama-1b", 16, 2048, 4)
-    strategy = {"class_path": "lit_fsdp.strategy.FSDP2Strategy",
-                "init_args": {"activation_checkpointing": 0, **({} if device == "cuda" else {"param_dtype": "float32"})}}
-    overrides["trainer"] = {**_accelerator(device), "callbacks": MEASURING_CALLBACKS, "strategy": strategy}
-    config = _yaml(work / "fsdp2_1b_no_ac_shape.yaml", overrides)
-    run = _fit("fsdp2_1b_no_ac", work, ["configs/quickstart.yaml", "configs/llama_1b.yaml", str(config)], record,
-               30 if device == "cuda" else 3)
-    record.put(summary=_figures(run["result"]))
+    """configs/llama_1b_low_memory.yaml's setting (4 x 2048, chunked loss, eager) without activation checkpointing:
+    the recompute's cost in MFU."""
+    _fsdp2_1b("fsdp2_1b_no_ac", record, device, work, batch=4, model={"loss_chunk_tokens": 1024},
+              activation_checkpointing=0, compile_blocks=False)
 
 
-def step_8b(record: Record, device: str, work: Path) -> None:
-    """The full 8B of configs/llama_8b_offload.yaml with bfloat16 moments, 4 steps; the watchdog ends it before the
-    host runs out of memory, and a run cut by its deadline still reports set-up time, steps done and steps/s."""
-    _eight_b("eight_b", record, device, work, optimizer_state_dtype="bfloat16")
+def step_fsdp2_1b_compiled(record: Record, device: str, work: Path) -> None:
+    """fsdp2_1b at 4 x 2048, compiled blocks, the plain loss, no activation checkpointing: the setting of the H200's
+    unrecorded 39.3% row (docs/gpu.md), measured again."""
+    _fsdp2_1b("fsdp2_1b_compiled", record, device, work, batch=4, model={"loss_chunk_tokens": 0},
+              activation_checkpointing=0, compile_blocks=True)
 
 
-def _eight_b(name: str, record: Record, device: str, work: Path, model: dict[str, Any] | None = None,
-             **knobs: Any) -> None:
-    """4 steps of configs/llama_8b_offload.yaml's 8B (llama-tiny on CPU) under SlideFSDP, bfloat16 on the device,
-    with ``model`` settings and the strategy's ``knobs`` added; its figures in the record."""
-    overrides = _shape(device, "llama-8b", 32 if device == "cuda" else 2, 2048, 8)
-    overrides["model"].update(model or {})
-    overrides["trainer"] = {**_accelerator(device), "gradient_clip_val": None,
-                            "strategy": _offload_strategy(device, "bfloat16" if device == "cuda" else "float32", **knobs)}
+def step_fsdp2_1b_fast(record: Record, device: str, work: Path) -> None:
+    """fsdp2_1b as fast as the first window found it: 8 x 2048 tokens, compiled blocks, the plain loss, no
+    activation checkpointing (42.8% MFU on the H100, 57 GiB peak; the H200's unrecorded 46.0% row)."""
+    _fsdp2_1b("fsdp2_1b_fast", record, device, work, batch=8, model={"loss_chunk_tokens": 0},
+              activation_checkpointing=0, compile_blocks=True)
+
+
+def _eight_b(name: str, record: Record, device: str, work: Path, overrides: dict[str, Any]) -> None:
+    """configs/llama_8b_offload.yaml's 8B (llama-tiny on the CPU) with ``overrides``, 3 steps measured after the
+    warm-up; the watchdog ends it before the host runs out of memory, and a run cut by its deadline still reports
+    set-up time, steps done and steps/s."""
     config = _yaml(work / f"{name}_shape.yaml", overrides)
-    run = _fit(name, work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(config)], record, 4)
-    record.put(summary=_figures(run["result"]))
+    run = _fit(name, work, ["configs/quickstart.yaml", "configs/llama_8b_offload.yaml", str(config)], record, 3,
+               measure=_measuring(offload=True))
+    record.put(summary=run["figures"])
+
+
+def step_eight_b(record: Record, device: str, work: Path) -> None:
+    """configs/llama_8b_offload.yaml as shipped (whatever it sets when the check runs): tokens/s, MFU, the CPU
+    update's ms and GB/s, the device's idle time inside the backward, the hidden and hideable shares, device peak
+    and the lowest MemAvailable."""
+    _eight_b("eight_b", record, device, work, _as_shipped(device))
+
+
+def step_eight_b_control(record: Record, device: str, work: Path) -> None:
+    """The control: the 8B with the settings measured before issue 35 (``EIGHT_B_BEFORE``: 8 x 2048 tokens, float32
+    moments, no delayed update, 2 gradient slots, no clipping, activations offloaded), the same figures."""
+    _eight_b("eight_b_control", record, device, work, _merge(_as_shipped(device), _nest(EIGHT_B_BEFORE)))
 
 
 def step_onebit(record: Record, device: str, work: Path) -> None:
@@ -445,56 +632,38 @@ def step_onebit(record: Record, device: str, work: Path) -> None:
         "trainer": {**_accelerator(device), "gradient_clip_val": None,
                     "strategy": {"class_path": "lit_fsdp.strategy.FSDP2Strategy",
                                  "init_args": {"compression": {"method": "onebit_adam", "freeze_step": 4, "chunk_size": 128,
-                                                               "bound": 1.0}}},
-                    "callbacks": [{"class_path": "callbacks.HostSyncs", "init_args": {"warmup_steps": 2, "steps": 8}},
-                                  {"class_path": "callbacks.CommProfiler", "init_args": {"wait": 5, "warmup": 1, "active": 3}},
-                                  *MEASURING_CALLBACKS]},
+                                                               "bound": 1.0}}}},
     }
+    extra = [{"class_path": "callbacks.HostSyncs", "init_args": {"warmup_steps": 2, "steps": 8}},
+             {"class_path": "callbacks.CommProfiler", "init_args": {"wait": 5, "warmup": 1, "active": 3}}]
     config = _yaml(work / "onebit_shape.yaml", overrides)
-    run = _fit("onebit", work, ["configs/quickstart.yaml", str(config)], record, 12)
+    run = _fit("onebit", work, ["configs/quickstart.yaml", str(config)], record, 10,
+               measure=_measuring(offload=False, extra=extra))
     result = run["result"]
-    record.put(summary={k: v for k, v in result.items() if k.startswith(("host_syncs", "comm_", "tokens_per_s", "mfu"))})
+    record.put(summary={**run["figures"], **{k: v for k, v in result.items() if k.startswith(("host_syncs", "comm_"))}})
 
 
 def step_codecs(record: Record, device: str, work: Path) -> None:
     """scripts/bench_codecs.py on the device, 64M values: GB/s per codec (compare with the probe's device copy)."""
-    numel = 64 * 2**20 if device == "cuda" else 2**20
-    lines = _command("codecs", [sys.executable, "scripts/bench_codecs.py", "--device", device, "--numel", str(numel),
-                                "--repeats", "5"], work, record)
+    # on the CPU, three codecs: the step's code path (bench_codecs times each until its spread settles, up to 10 s)
+    sizes = ["--numel", str(64 * 2**20)] if device == "cuda" else ["--numel", str(2**20), "--methods", "fp16", "int8", "topk"]
+    lines = _command("codecs", [sys.executable, "scripts/bench_codecs.py", "--device", device, *sizes, "--repeats", "5",
+                                "--warmup", str(_warmup_steps())], work, record)
     record.put(table=[line for line in lines if line.startswith("|")])
 
 
-# --- the second list: for the windows after the first ---------------------------------------------------
-
-
-def step_eight_b_fp32(record: Record, device: str, work: Path) -> None:
-    """The 8B as shipped: float32 moments (112.5 GiB of host memory by the preflight's count), 4 steps."""
-    _eight_b("eight_b_fp32", record, device, work)
-
-
-def step_fsdp2_1b_fast(record: Record, device: str, work: Path) -> None:
-    """fsdp2_1b as fast as the first window found it: 8 x 2048 tokens, compiled blocks, the plain loss, no
-    activation checkpointing (46% MFU on an H200, 57 GiB peak)."""
-    overrides = _shape(device, "llama-1b", 16, 2048, 8)
-    overrides["model"]["loss_chunk_tokens"] = 0
-    init = {"activation_checkpointing": 0, "compile_blocks": device == "cuda",
-            **({} if device == "cuda" else {"param_dtype": "float32"})}
-    overrides["trainer"] = {**_accelerator(device), "callbacks": MEASURING_CALLBACKS,
-                            "strategy": {"class_path": "lit_fsdp.strategy.FSDP2Strategy", "init_args": init}}
-    config = _yaml(work / "fsdp2_1b_fast_shape.yaml", overrides)
-    run = _fit("fsdp2_1b_fast", work, ["configs/quickstart.yaml", "configs/llama_1b.yaml", str(config)], record,
-               30 if device == "cuda" else 3)
-    record.put(summary=_figures(run["result"]))
+# --- the other steps: for the windows that follow (--steps names them) ---------------------------------------
 
 
 def step_bench_offload(record: Record, device: str, work: Path) -> None:
     """scripts/bench_offload.py: SlideFSDP against torch's CPUOffloadPolicy and plain FSDP2 on one device."""
+    warmup = _warmup_steps()
     gpu = ["--accelerator", "gpu", "--devices", "1", "--param-dtype", "bfloat16", "--presets", "llama-1b",
-           "--seq-len", "2048", "--batch-size", "8", "--steps", "12"]
-    cpu = ["--devices", "1", "--presets", "gpt2-tiny", "--seq-len", "64", "--batch-size", "2", "--steps", "3", "--warmup", "1",
+           "--seq-len", "2048", "--batch-size", "8", "--steps", str(warmup + 8)]
+    cpu = ["--devices", "1", "--presets", "gpt2-tiny", "--seq-len", "64", "--batch-size", "2", "--steps", str(warmup + 1),
            "--strategies", "slide_fsdp"]
     _command("bench_offload", [sys.executable, "scripts/bench_offload.py", *(gpu if device == "cuda" else cpu),
-                               "--repeats", "1", "--out", str(work / "bench_offload")], work, record)
+                               "--warmup", str(warmup), "--repeats", "1", "--out", str(work / "bench_offload")], work, record)
     record.put(table=(work / "bench_offload" / "table.md").read_text().splitlines())
 
 
@@ -554,39 +723,46 @@ def step_sft(record: Record, device: str, work: Path) -> None:
     Llama-1B-shaped pretrained folder: tokens/s, device peak, the loss falling."""
     base = _sft_base(device, work / "sft_base")
     shape = {"seq_len": 2048, "batch_size": 4} if device == "cuda" else {"seq_len": 64, "batch_size": 2}
-    steps = 20 if device == "cuda" else 2
+    steps = 18 if device == "cuda" else 1
     for config in ("sft_full", "sft_lora"):
         override = _yaml(work / f"{config}_shape.yaml", {
-            "trainer": {**_accelerator(device), "callbacks": MEASURING_CALLBACKS},
+            "trainer": _accelerator(device),
             "model": {"pretrained_path": str(base)},
             "data": {"init_args": {**shape, "train_path": str(SFT_SAMPLES / "train.jsonl"),
                                    "val_path": str(SFT_SAMPLES / "val.jsonl")}}})
-        run = _fit(config, work, [f"configs/{config}.yaml", str(override)], record, steps)
+        run = _fit(config, work, [f"configs/{config}.yaml", str(override)], record, steps,
+                   measure=_measuring(offload=False))
         losses = run["losses"]
-        record.put(**{f"{config}_summary": {**_figures(run["result"]), "first_loss": losses[0], "last_loss": losses[-1]}})
+        record.put(**{f"{config}_summary": {**run["figures"], "first_loss": losses[0], "last_loss": losses[-1]}})
         if not losses[-1] < losses[0]:
             raise RuntimeError(f"{config}: the loss did not fall ({losses[0]:.4f} to {losses[-1]:.4f})")
 
 
 def step_eight_b_lora(record: Record, device: str, work: Path) -> None:
-    """LoRA rank 16 on the 8B under SlideFSDP (issue 29): the frozen base once on the host in bfloat16, the adapters'
-    master and moments on the host AdamW, 4 steps; compare the host and device peaks with ``estimate``'s 22.5 and
-    8.6 GiB (docs/finetuning.md)."""
-    _eight_b("eight_b_lora", record, device, work, model={"lora": {"rank": 16, "alpha": 32}})
+    """LoRA rank 16 on the 8B under SlideFSDP (issue 29) with the control's settings (``EIGHT_B_BEFORE``): the frozen
+    base once on the host in bfloat16, the adapters' master and moments on the host AdamW; compare the host and
+    device peaks with ``estimate``'s (written beside the record)."""
+    lora = {"model": {"lora": {"rank": 16, "alpha": 32}}}
+    _eight_b("eight_b_lora", record, device, work, _merge(_merge(_as_shipped(device), _nest(EIGHT_B_BEFORE)), lora))
 
 
+#: Every step and its deadline in seconds on one H100: about 1.25x its longest time in docs/gpu_runs/ (the estimate's
+#: few seconds added), or, for a step no record has timed yet, its set-up and steps counted from the nearest record.
 STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
-    "probe": (step_probe, 75),
+    "probe": (step_probe, 65),  # its rates about 20 s on the H200, the update and model rates about 15 s more
+    # the 8B as shipped: the set-up of the 8Bs on record (86-100 s to the first step, about 100 GB of host buffers
+    # touched), 5 steps of 64k tokens at about 10 s, the last delayed update and the estimate: about 160 s
+    "eight_b": (step_eight_b, 230),
+    "eight_b_control": (step_eight_b_control, 170),  # 122 s on the H100 for 4 of its 5 steps (eight_b_fp32)
+    "fsdp2_1b": (step_fsdp2_1b, 75),  # 41 s on the H200; 54 s for the compiled 8 x 2048 setting on the H100
+    # --- beyond the default plan: --steps names them
     "cuda_tests": (step_cuda_tests, 70),
     "slide_fsdp": (step_slide_fsdp, 180),
     "parity": (step_parity, 130),
-    "fsdp2_1b": (step_fsdp2_1b, 110),
-    "eight_b": (step_8b, 230),
     "onebit": (step_onebit, 70),
     "codecs": (step_codecs, 45),
-    "fsdp2_1b_no_ac": (step_fsdp2_1b_no_ac, 60),
-    # the second list, for the windows after the first (--steps names them)
-    "eight_b_fp32": (step_eight_b_fp32, 240),
+    "fsdp2_1b_no_ac": (step_fsdp2_1b_no_ac, 75),
+    "fsdp2_1b_compiled": (step_fsdp2_1b_compiled, 90),
     "fsdp2_1b_fast": (step_fsdp2_1b_fast, 120),
     "bench_offload": (step_bench_offload, 240),
     "resume_export": (step_resume_export, 120),
@@ -594,11 +770,31 @@ STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
     "sft": (step_sft, 170),
     "eight_b_lora": (step_eight_b_lora, 200),
 }
-FIRST = ("probe", "cuda_tests", "slide_fsdp", "parity", "fsdp2_1b", "eight_b", "onebit", "codecs", "fsdp2_1b_no_ac")
-REQUIRES = {"eight_b": "slide_fsdp", "eight_b_fp32": "slide_fsdp", "eight_b_lora": "slide_fsdp"}  # run only if that step passed, when it ran too
+#: The default plan: the probe (its hardware.json is what every estimate uses), the 8B as shipped and its control,
+#: the 1B as shipped. It fits one device call: their deadlines add up to PLAN_SECONDS at most.
+PLAN = ("probe", "eight_b", "eight_b_control", "fsdp2_1b")
+PLAN_SECONDS = 540  # a device call's 10 minutes, less a minute for the wheels' install, Python's start and the copy back
+PLAN_BUDGET = sum(STEPS[name][1] for name in PLAN)  # --budget's default
+#: The CPU mode's deadlines are the GPU's times this: tiny sizes, but each run's set-up and estimate on the 2 shared
+#: cores of a CI machine.
+CPU_DEADLINE_FACTOR = 3
+# the 8B steps run only if slide_fsdp passed, when it ran too
+REQUIRES = {name: "slide_fsdp" for name in ("eight_b", "eight_b_control", "eight_b_lora")}
 
 
 # --- driver --------------------------------------------------------------------------------------------
+
+
+def _bring_back(records: list[dict[str, Any]], work: Path, out: Path) -> None:
+    """The call's files under ``out``, few so that a device window brings them back: ``summary.json`` (the records),
+    ``hardware.json`` (the probe's) and ``estimate.json`` (every run's estimate, by run name, as written beside it)."""
+    (out / "summary.json").write_text(json.dumps(records, indent=1, default=str))
+    if (work / "hardware.json").is_file():
+        (out / "hardware.json").write_text((work / "hardware.json").read_text())
+    estimates = {name: json.loads((work / run["estimate"]["file"]).read_text())
+                 for name, run in _runs(records) if "file" in run.get("estimate", {})}
+    if estimates:
+        (out / "estimate.json").write_text(json.dumps(estimates, indent=1) + "\n")
 
 
 def _run_step(name: str, deadline: float, device: str, work: Path, log: Any) -> dict[str, Any]:
@@ -633,15 +829,47 @@ def _child(name: str, device: str, work: Path) -> int:
     return 0
 
 
+def _runs(records: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Every training run of the records, by name: the values that are a ``_fit`` record."""
+    return [(name, run) for record in records for name, run in record.items()
+            if isinstance(run, dict) and "losses" in run and "rc" in run]
+
+
+#: The runs table's columns: heading, the key in a run's figures, format.
+RUN_COLUMNS = (("left out", "warmup_steps_left_out", "d"), ("measured", "steps_measured", "d"),
+               ("tokens/s", "tokens_per_s", ",.0f"), ("MFU", "mfu", ".1%"),
+               ("update ms", "offload_cpu_update_ms", ",.0f"),
+               ("update GB/s", "offload_cpu_update_gbps", ".1f"), ("idle ms", "offload_device_idle_ms", ",.0f"),
+               ("hidden", "offload_cpu_update_hidden_share", ".2f"),
+               ("hideable", "offload_cpu_update_hideable_share", ".2f"), ("peak GiB", "peak_allocated_gb", ".2f"),
+               ("min avail GiB", "min_mem_available_gib", ".1f"), ("est. step s", "estimate_step_time_s", ".2f"))
+
+
+def _runs_table(records: list[dict[str, Any]]) -> str:
+    """The measured runs' rates, the first steps left out (the column says how many), ``n/a`` for a figure the run's
+    record does not hold; update GB/s is ``estimate``'s bytes over the measured update time."""
+    lines = [f"{'run':<20}" + "".join(f"{heading:>{max(len(heading), 8) + 2}}" for heading, _, _ in RUN_COLUMNS)]
+    for name, run in _runs(records):
+        if "figures" not in run:
+            continue
+        cells = []
+        for heading, key, form in RUN_COLUMNS:
+            value = run["figures"].get(key)
+            cells.append(f"{'n/a' if value is None else format(value, form):>{max(len(heading), 8) + 2}}")
+        lines.append(f"{name:<20}" + "".join(cells))
+    return "\n".join(lines)
+
+
 def _table(records: list[dict[str, Any]]) -> str:
-    lines = [f"{'step':<16}{'status':<9}{'s':>7}  figures"]
+    lines = [f"{'step':<20}{'status':<9}{'s':>7}  figures"]
     for r in records:
         shown = {k: v for k, v in r.items() if k not in ("step", "status", "rc", "seconds", "versions", "hardware", "cpu",
                                                          "nvidia_smi", "failed") and not isinstance(v, (dict, list))}
         if isinstance(r.get("summary"), dict):
-            shown.update({k: v for k, v in r["summary"].items() if k in ("tokens_per_s", "mfu") or "hidden" in k})
+            shown.update({k: v for k, v in r["summary"].items()
+                          if k in ("warmup_steps_left_out", "tokens_per_s", "mfu") or "hidden" in k})
         text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
-        lines.append(f"{r['step']:<16}{r['status']:<9}{r['seconds']:>7.1f}  {text[:400]}")
+        lines.append(f"{r['step']:<20}{r['status']:<9}{r['seconds']:>7.1f}  {text[:400]}")
     return "\n".join(lines)
 
 
@@ -649,9 +877,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="folder for summary.json, check.log, hardware.json")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda: the real check; cpu: tiny sizes (CI)")
-    parser.add_argument("--steps", default=",".join(FIRST),
-                        help=f"comma-separated, in order (default: the first list); of {', '.join(STEPS)}")
-    parser.add_argument("--budget", type=float, default=510.0, help="seconds for all steps together")
+    parser.add_argument("--steps", default=",".join(PLAN),
+                        help=f"comma-separated, in order (default: {', '.join(PLAN)}); of {', '.join(STEPS)}")
+    parser.add_argument("--budget", type=float, default=float(PLAN_BUDGET),
+                        help="seconds for all steps together (default: the default plan's deadlines added up)")
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
+                        help="optimizer steps at the start of every training run left out of every rate")
     parser.add_argument("--host-memory-gb", type=float, default=120.0,
                         help="host memory SlideFSDP's preflight may count on (its host_memory_gb); the lent VM has 128 GiB")
     parser.add_argument("--work", type=Path, help="folder for the runs' own files (default: <out>/work)")
@@ -659,6 +890,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return _child(args.child, args.device, args.work)
+    if args.warmup_steps < 0:
+        parser.error(f"--warmup-steps {args.warmup_steps}: must be 0 or more (optimizer steps left out of every rate)")
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
     if unknown:
@@ -669,6 +902,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             parser.error("--device cuda but torch sees no CUDA device; use --device cpu for the CPU mode")
     os.environ[HOST_MEMORY_VARIABLE] = str(args.host_memory_gb)
+    os.environ[WARMUP_VARIABLE] = str(args.warmup_steps)
     print("versions:", ", ".join(f"{k} {v or 'missing'}" for k, v in _versions().items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out / "work"
@@ -686,12 +920,14 @@ def main(argv: list[str] | None = None) -> int:
                 records.append({"step": name, "status": "skipped", "rc": None, "seconds": 0.0,
                                 "error": f"{needed['step']} did not pass ({needed['status']})"})
                 continue
-            records.append(_run_step(name, min(STEPS[name][1], left), args.device, work, log))
-            (args.out / "summary.json").write_text(json.dumps(records, indent=1, default=str))
+            deadline = STEPS[name][1] * (CPU_DEADLINE_FACTOR if args.device == "cpu" else 1)
+            records.append(_run_step(name, min(deadline, left), args.device, work, log))
+            _bring_back(records, work, args.out)
             print(f"{name}: {records[-1]['status']} in {records[-1]['seconds']} s", flush=True)
-    if (work / "hardware.json").is_file():
-        (args.out / "hardware.json").write_text((work / "hardware.json").read_text())
-    (args.out / "summary.json").write_text(json.dumps(records, indent=1, default=str))
+    _bring_back(records, work, args.out)
+    if any("figures" in run for _, run in _runs(records)):
+        print(f"Training runs; every rate leaves out the first {args.warmup_steps} optimizer steps of its run:")
+        print(_runs_table(records))
     print(_table(records))
     return 0 if all(r["status"] == "ok" for r in records) else 1
 

@@ -203,3 +203,51 @@ def test_the_readme_shows_the_setup_and_test_command_ci_runs():
     pytest_line = re.search(r"^(python -m pytest .*)$", ci, re.M).group(1)
     assert f"pip install {torch_pin} && pip install -e \".[test]\"" in readme
     assert pytest_line in readme
+
+
+#: A GPU figure in a table row: a percentage with a decimal (MFU, a share, an error), or a number in a tokens/s column.
+GPU_FIGURE = re.compile(r"\d\.\d+%")
+RECORD = re.compile(r"gpu_runs/[\w./-]*[\w-]")
+
+
+def gpu_sections() -> dict[str, str]:
+    """The text whose tables hold GPU figures: docs/gpu.md whole, and the README's "Measured on a GPU" section."""
+    readme = README.read_text()
+    section = readme[readme.index("## Measured on a GPU"):]
+    return {"docs/gpu.md": (REPO / "docs" / "gpu.md").read_text(), "README.md": section[:section.find("\n## ", 3)]}
+
+
+def unrecorded_figure_rows(text: str, docs: Path = REPO / "docs") -> list[str]:
+    """Table rows with a GPU figure that name no file existing under ``docs/gpu_runs/`` (``gpu_runs/...``, in a link
+    or code span)."""
+    problems, tokens_column = [], None
+    for line in FENCE.sub("", text).splitlines():
+        if not line.startswith("|"):
+            tokens_column = None
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if tokens_column is None:  # a table's first line: its header
+            tokens_column = next((i for i, cell in enumerate(cells) if "tokens/s" in cell), -1)
+            continue
+        if set("".join(cells)) <= set("-: "):
+            continue
+        figure = GPU_FIGURE.search(line) or (0 <= tokens_column < len(cells) and re.search(r"\d", cells[tokens_column]))
+        if figure and not any((docs / path).is_file() for path in RECORD.findall(line)):
+            problems.append(line[:100])
+    return problems
+
+
+@pytest.mark.parametrize("page", sorted(gpu_sections()))
+def test_every_gpu_figure_row_names_a_record_file_under_docs_gpu_runs(page):
+    problems = unrecorded_figure_rows(gpu_sections()[page])
+    assert not problems, f"{page}: rows with a GPU figure and no record in docs/gpu_runs/:\n" + "\n".join(problems)
+
+
+def test_the_record_checker_flags_figure_rows_without_an_existing_record():
+    text = ("| run | tokens/s | MFU | record |\n|---|---|---|---|\n"
+            "| a | 30,402 | 25.3% | [`w1`](gpu_runs/2026-11-26-h200/window1_summary.json) |\n"
+            "| b | 55,408 | | none |\n"
+            "| c | | 46.0% | `docs/gpu_runs/2026-11-26-h200/window9_summary.json` |\n"
+            "| d | | | not a figure: within 10% |\n\n"
+            "| codec | GB/s |\n|---|---|\n| topk (1%) | 150 |\n")
+    assert [row.split("|")[1].strip() for row in unrecorded_figure_rows(text)] == ["b", "c"]
