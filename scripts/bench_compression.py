@@ -15,7 +15,6 @@ time per step. Runs that fail are recorded as failed and the sweep goes on.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from lit_fsdp.commands.sweep import METHODS, REPO, launch
+from lit_fsdp.commands.sweep import METHODS, REPO, last_values, launch
 
 DATA = REPO.parent / "shared" / "data" / "wikitext2"
 #: torch's own PowerSGD DDP hook at configs/powersgd.yaml's rank and start step: the reference for ``powersgd``
@@ -145,14 +144,6 @@ def run_one(method: str, seed: int, args: argparse.Namespace, root: Path) -> dic
     else:  # no hook: FSDP2's own float32 reduce-scatter (SlideFSDP's on CPU)
         record.update(ratio_vs_fp32=1.0, ratio_vs_bf16=0.5, codec_ms_per_step=0.0)
     return record
-
-
-def last_values(path: Path) -> dict[str, float]:
-    values: dict[str, float] = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            values.update({k: float(v) for k, v in row.items() if v and k not in ("epoch", "step")})
-    return values
 
 
 def table(records: list[dict]) -> str:

@@ -23,7 +23,6 @@ partial sweep is usable and an interrupted one resumes. ``--table`` prints the m
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import statistics
@@ -31,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lit_fsdp.commands.sweep import REPO, launch
+from lit_fsdp.commands.sweep import REPO, last_values, launch
 
 DATA = REPO.parent / "shared" / "data" / "wikitext2"
 INT4 = {"method": "int8", "num_bits": 4}
@@ -139,14 +138,6 @@ def run_one(protocol: str, arm: str, seed: int, inner_lr: float, outer: tuple[fl
             "val_loss_replica": metrics.get("val/loss_replica"), "train_loss": metrics.get("train/loss"),
             "compression_ratio": summary.get("compression_ratio") or 1.0, "outer_syncs": summary.get("outer_syncs"),
             "outer_bytes_per_value": summary.get("outer_bytes_per_value")}
-
-
-def last_values(path: Path) -> dict[str, float]:
-    values: dict[str, float] = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            values.update({k: float(v) for k, v in row.items() if v and k not in ("epoch", "step")})
-    return values
 
 
 def read(path: Path) -> list[dict]:

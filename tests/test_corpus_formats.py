@@ -317,5 +317,6 @@ def test_cache_build_memory_does_not_grow_with_the_corpus(tmp_path):
     assert extra_text > 9e6  # 4 times the text (and tokens), in shards twice as long
     shown = ", ".join(f"{name} +{grown[name] / 2**20:.1f} MB" for name in ("warm", "small", "large"))
     # Holding a large shard whole would add its 6 MB of text at least; holding the tokens, about 40 bytes a token.
+    # What a build holds whatever the corpus (the tokenizer's threads and buffers, a chunk's tokens, a batch's rows)
+    # depends on the machine and its load (60 to 280 MB seen): only its growth with the corpus is pinned.
     assert grown["large"] - grown["small"] < 3 * 2**20, f"{shown} for {extra_text / 1e6:.0f} MB more text"
-    assert grown["large"] < 64 * 2**20, shown  # the tokenizer's threads and buffers, a chunk's tokens, a batch's rows

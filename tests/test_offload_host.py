@@ -433,6 +433,7 @@ def test_a_delayed_update_applies_each_steps_clipped_gradient_at_its_learning_ra
         torch.testing.assert_close(delayed.delayed_norm(max_norm, None), want_norm, rtol=1e-6, atol=0)
         delayed.adam.held.param_groups[0]["lr"] = rate
         delayed.start_delayed()
+        assert len(delayed.adam._pending) == 2  # the block's and the root's updates queued on the worker, none run here
         delayed.adam.held.param_groups[0]["lr"] = 100.0  # the scheduler moves on: the delayed update keeps its rate
     delayed.apply_delayed()
     assert not delayed.stale and delayed.host.incoming._free.qsize() == pieces_per_step + 2

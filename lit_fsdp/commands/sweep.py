@@ -23,6 +23,7 @@ in ``OUT/<strategy>-w<world>-s<seed>/``. Compare them with ``compare_runs.py OUT
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 import time
@@ -47,6 +48,15 @@ STRATEGIES = {
        for mode in get_args(Sharding)},
     "slide_fsdp": {"class_path": "offload.SlideFSDPStrategy"},
 }
+
+
+def last_values(path: Path) -> dict[str, float]:
+    """Each metric's last value in a CSVLogger ``metrics.csv`` (the benchmarks' runs)."""
+    values: dict[str, float] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            values.update({k: float(v) for k, v in row.items() if v and k not in ("epoch", "step")})
+    return values
 
 
 def _last(configs: Sequence[Path], *keys: str) -> Any:
