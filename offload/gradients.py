@@ -299,10 +299,7 @@ class GradientPipeline:
     def start_delayed(self) -> None:
         """Queue this step's updates on the worker (they run during the next step), and rewrite the staging rows of
         units updated last step that got no gradient in this one (their update is done: the caller waited)."""
-        self.adam.wait()
-        for unit in sorted(self.stale):
-            self.host.write_staging(unit)
-        self.stale.clear()
+        self.apply_delayed()
         self.adam.freeze_hyperparameters()  # this step's learning rate, before the scheduler moves on
         held, self.arriving = self.arriving, [[] for _ in self.layouts]
         self.received = [0] * len(self.layouts)
