@@ -28,7 +28,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from lit_fsdp.commands.sweep import REPO, last_values, launch
 
@@ -55,10 +55,15 @@ def sync_every(arm: str, args: argparse.Namespace) -> int:
     return args.sync_every or DILOCO_ARMS[arm][0]
 
 
+def lr_point(args: argparse.Namespace, index: int) -> float:
+    """The inner learning rate ``index`` sqrt(2) steps from ``--lr`` (rounded as the records name it)."""
+    return round(args.lr * math.sqrt(2) ** index, 8)
+
+
 def lr_grid(args: argparse.Namespace) -> list[float]:
     """``--lr-points`` inner learning rates on a sqrt(2) grid centred on ``--lr``."""
     half = args.lr_points // 2
-    return [round(args.lr * math.sqrt(2) ** (i - half), 8) for i in range(args.lr_points)]
+    return [lr_point(args, i - half) for i in range(args.lr_points)]
 
 
 def outer_grid(arm: str, args: argparse.Namespace) -> list[tuple[float, float]]:
@@ -150,6 +155,38 @@ def best(records: list[dict], protocol: str, arm: str, seed: int) -> dict | None
     return min(tuned, key=lambda r: r["val_loss"], default=None)
 
 
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What every run of an OUT folder shares: records of other settings are not comparable with them."""
+    return {name: getattr(args, name) for name in ("steps", "warm_steps", "sync_every", "layers", "width", "seq_len",
+                                                     "batch_size", "val_batches", "data")}
+
+
+def tune(protocol: str, arm: str, seed: int, args: argparse.Namespace, once: Callable[..., None]) -> dict | None:
+    """The arm's best setting on ``seed``: the inner lr over the grid, extended by ``--lr-extend`` points past an edge
+    that wins, then (``--outer-search after-inner``) the other outer candidates at that lr; ``grid``: every pair."""
+    outers = outer_grid(arm, args)
+    first = outers if args.outer_search == "grid" else outers[:1]
+    half = args.lr_points // 2
+    low, high = -half, args.lr_points - 1 - half
+    for index in range(low, high + 1):
+        for outer in first:
+            once(protocol, arm, seed, lr_point(args, index), outer)
+    for _ in range(args.lr_extend if args.lr_points >= 3 else 0):  # a grid of 1 or 2 points has no inside
+        chosen = best(read(args.out / "results.jsonl"), protocol, arm, seed)
+        if chosen is None or chosen["inner_lr"] not in (lr_point(args, low), lr_point(args, high)):
+            break
+        at_low = chosen["inner_lr"] == lr_point(args, low)
+        low, high = (low - 1, high) if at_low else (low, high + 1)
+        for outer in first:
+            once(protocol, arm, seed, lr_point(args, low if at_low else high), outer)
+    chosen = best(read(args.out / "results.jsonl"), protocol, arm, seed)
+    if chosen is not None and args.outer_search == "after-inner":
+        for outer in outers[1:]:
+            once(protocol, arm, seed, chosen["inner_lr"], outer)
+        chosen = best(read(args.out / "results.jsonl"), protocol, arm, seed)
+    return chosen
+
+
 def sweep(args: argparse.Namespace) -> None:
     results = args.out / "results.jsonl"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -169,10 +206,7 @@ def sweep(args: argparse.Namespace) -> None:
         for arm in args.arms:
             if protocol == "continue" and arm in BRACKETS:
                 continue  # one process cannot continue a 2-process run's data stream at the same global batch
-            for inner_lr in lr_grid(args):
-                for outer in outer_grid(arm, args):
-                    once(protocol, arm, seeds[0], inner_lr, outer)
-            chosen = best(read(results), protocol, arm, seeds[0])
+            chosen = tune(protocol, arm, seeds[0], args, once)
             if chosen is None:
                 continue
             for seed in seeds[1:]:
@@ -199,8 +233,8 @@ def table(records: list[dict]) -> str:
         base = {r["seed"]: r for r in runs["synchronous"]}
         out += [f"**{protocol}**", "",
                 "| arm | H | best inner lr | outer lr, momentum | seeds | val loss | loss gap vs synchronous | "
-                "ppl gap vs synchronous | bytes vs per-step fp32 | tuning runs |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "ppl gap vs synchronous | bytes vs per-step fp32 | tuning runs | inner lrs tried |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for arm in ARMS:
             if not runs[arm]:
                 continue
@@ -209,12 +243,14 @@ def table(records: list[dict]) -> str:
             ppl_gap = [100 * (r["val_ppl"] / base[r["seed"]]["val_ppl"] - 1) for r in paired]
             outer = f"{c['outer_lr']:g}, {c['outer_momentum']:g}" if arm in DILOCO_ARMS else "-"
             tried = sum(r["arm"] == arm and r["seed"] == first for r in mine)
+            lrs = sorted({r["inner_lr"] for r in mine if r["arm"] == arm and r["seed"] == first})
             out.append(
                 f"| {arm} | {c['sync_every'] or '-'} | {c['inner_lr']:g} | {outer} | {len(runs[arm])} "
                 f"| {statistics.fmean(r['val_loss'] for r in runs[arm]):.4f} "
                 f"| {spread(loss_gap) if arm != 'synchronous' and loss_gap else '-'} "
                 f"| {spread(ppl_gap) if arm != 'synchronous' and ppl_gap else '-'} "
-                f"| {statistics.fmean(r['compression_ratio'] for r in runs[arm]):.0f}x | {tried} |")
+                f"| {statistics.fmean(r['compression_ratio'] for r in runs[arm]):.0f}x | {tried} "
+                f"| {lrs[0]:g}-{lrs[-1]:g} |")
         out.append("")
     return "\n".join(out)
 
@@ -230,6 +266,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync-every", type=int, default=0, help="every DiLoCo arm's H instead of its own (short runs)")
     parser.add_argument("--lr", type=float, default=2e-3, help="the centre of the inner learning-rate grid")
     parser.add_argument("--lr-points", type=int, default=5, help="points of the sqrt(2) grid")
+    parser.add_argument("--lr-extend", type=int, default=1,
+                        help="points added past the grid's edge while the best inner lr lies on it")
+    parser.add_argument("--outer-search", choices=["after-inner", "grid"], default="after-inner",
+                        help="DiLoCo: the outer candidates at the best inner lr of the first (after-inner), or every pair")
     parser.add_argument("--outer", type=lambda text: tuple(float(v) for v in text.split(",")), nargs="+",
                         default=[(1.0, 0.0), (0.7, 0.9), (0.7, 0.5), (1.0, 0.5)], metavar="LR,MOMENTUM",
                         help="outer (lr, momentum) candidates for the DiLoCo arms (Nesterov)")
@@ -254,6 +294,12 @@ def main(argv: list[str] | None = None) -> None:
                      "give --steps (and --warm-steps) so every arm ends on a synchronisation")
     if args.data != "synthetic" and not (Path(args.data) / "train.json").is_file():
         sys.exit(f"bench_diloco: {Path(args.data) / 'train.json'} not found; pass --data FOLDER or --data synthetic")
+    marker = args.out / "settings.json"
+    if marker.exists() and json.loads(marker.read_text()) != settings(args):
+        sys.exit(f"bench_diloco: {args.out} holds runs of other settings ({marker.read_text().strip()}); "
+                 "give the same settings or another --out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(settings(args)) + "\n")
     sweep(args)
     print(table(read(args.out / "results.jsonl")))
 

@@ -51,3 +51,53 @@ def test_a_length_that_is_not_a_multiple_of_h_is_refused_in_one_line(tmp_path):
     message = str(caught.value)
     assert "scratch trains 5 steps, not a positive multiple of H 2 (h32_int4)" in message and "\n" not in message
     assert not (tmp_path / "results.jsonl").exists()
+
+
+def tuning_args(tmp_path, **overrides):
+    values = {"lr": 2e-3, "lr_points": 3, "lr_extend": 1, "outer_search": "after-inner",
+              "outer": [(1.0, 0.0), (0.7, 0.9)], "out": tmp_path, "sync_every": 0, "steps": 8}
+    return argparse.Namespace(**{**values, **overrides})
+
+
+def fake_runs(args, loss):
+    """A stand-in for one training run: records the call and a validation loss given by ``loss(inner_lr, outer)``."""
+    calls = []
+
+    def once(protocol, arm, seed, inner_lr, outer):
+        calls.append((inner_lr, outer))
+        record = {"protocol": protocol, "arm": arm, "seed": seed, "inner_lr": inner_lr, "outer_lr": outer[0],
+                  "outer_momentum": outer[1], "sync_every": 32, "val_loss": loss(inner_lr, outer)}
+        with open(args.out / "results.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return calls, once
+
+
+def test_the_inner_lr_is_tuned_first_then_the_outer_step_at_the_best_and_a_winning_edge_is_extended_once(tmp_path):
+    args = tuning_args(tmp_path)
+    # the loss falls with the lr past the grid's top edge (2e-3 * 2) and prefers Nesterov 0.9 outside
+    calls, once = fake_runs(args, lambda lr, outer: abs(math.log(lr / 5e-3)) + (0 if outer[1] else 0.1))
+    chosen = bench.tune("scratch", "h32_int4", 1, args, once)
+    grid = [bench.lr_point(args, i) for i in (-1, 0, 1, 2)]
+    assert calls == [(lr, (1.0, 0.0)) for lr in grid] + [(grid[-1], (0.7, 0.9))]
+    assert (chosen["inner_lr"], chosen["outer_lr"], chosen["outer_momentum"]) == (grid[-1], 0.7, 0.9)
+
+
+def test_an_inner_best_is_not_extended_and_grid_search_tries_every_pair(tmp_path):
+    args = tuning_args(tmp_path, outer_search="grid")
+    calls, once = fake_runs(args, lambda lr, outer: abs(math.log(lr / 2e-3)) + outer[0])
+    chosen = bench.tune("scratch", "h32_int4", 1, args, once)
+    assert len(calls) == 6 and chosen["inner_lr"] == 2e-3 and chosen["outer_lr"] == 0.7
+    # the synchronous arm has no outer step: the lr grid alone, extended downwards once where its low edge wins
+    calls, once = fake_runs(args, lambda lr, outer: lr)
+    chosen = bench.tune("scratch", "synchronous", 1, args, once)
+    assert [lr for lr, _ in calls] == [bench.lr_point(args, i) for i in (-1, 0, 1, -2)]
+    assert chosen["inner_lr"] == bench.lr_point(args, -2)
+
+
+def test_an_out_folder_of_other_settings_is_refused_in_one_line(tmp_path):
+    bench.main(["--arms", "synchronous", *TINY, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as caught:
+        bench.main(["--arms", "synchronous", *TINY, "--batch-size", "3", "--out", str(tmp_path)])
+    message = str(caught.value)
+    assert f"{tmp_path} holds runs of other settings" in message and "another --out" in message and "\n" not in message
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 1
