@@ -40,7 +40,7 @@ STRATEGIES = {
 }
 COLUMNS = [
     ("status", "status"), ("tokens/s", "tokens_per_s"), ("step ms p50", "step_time_ms_p50"), ("TFLOPS/device", "tflops"),
-    ("MFU", "mfu"), ("GPU peak GB", "peak_allocated_gb"), ("host RSS GB", "peak_rss_gb"),
+    ("MFU", "mfu"), ("GPU peak GiB", "peak_allocated_gb"), ("host RSS GiB", "peak_rss_gb"),
     ("H2D GB/s", "offload_h2d_gbps"), ("D2H GB/s", "offload_d2h_gbps"), ("CPU update ms", "offload_cpu_update_ms"),
     ("update hidden", "offload_cpu_update_hidden_share"), ("host GB/B params", "host_gb_per_billion_params"),
 ]

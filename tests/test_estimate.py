@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from lit_fsdp.data.tokenizer import train_bpe
 from lit_fsdp.presets import build_config
 from offload.host_memory import GIB
 from tests.helpers import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_check  # noqa: E402
 
 H100 = REPO / "configs" / "hardware" / "h100_128g.json"
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -55,11 +59,9 @@ def test_every_shipped_config_is_estimated_on_the_hardware_it_is_for(tmp_path):
 
 
 EIGHT_B = REPO / "configs" / "llama_8b_offload.yaml"
-#: the settings the first H100 windows measured the 8B with (scripts/gpu_check.py's control step)
-EIGHT_B_BEFORE = ["--data.init_args.batch_size", "8", "--trainer.gradient_clip_val", "null",
-                  "--trainer.strategy.init_args.optimizer_state_dtype", "float32",
-                  "--trainer.strategy.init_args.delayed_update", "false",
-                  "--trainer.strategy.init_args.gradient_slots", "2", "--trainer.strategy.init_args.activation_offload", "cpu"]
+#: the settings the first H100 windows measured the 8B with: scripts/gpu_check.py's control step, as CLI arguments
+EIGHT_B_BEFORE = [argument for name, value in gpu_check.EIGHT_B_BEFORE.items()
+                  for argument in (f"--{name}", value if isinstance(value, str) else json.dumps(value))]
 
 
 def _figures(capsys, *arguments: str, hardware: Path = H100) -> dict:
