@@ -1,4 +1,5 @@
-"""Small deterministic Wikipedia-format corpora (JSON array or JSON Lines) and a WikipediaDataModule over them."""
+"""Small deterministic Wikipedia-format corpora (JSON array, JSON Lines, Parquet files and shards) and a
+WikipediaDataModule over them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from lit_fsdp.data.wikipedia import WikipediaDataModule
 
@@ -29,6 +32,29 @@ def write_array(path: Path, records: list) -> Path:
 def write_lines(path: Path, records: list) -> Path:
     path.write_text("\n".join(json.dumps(record) for record in records) + "\n")
     return path
+
+
+def wikimedia_rows(records: list[dict]) -> list[dict]:
+    """The columns of the ``wikimedia/wikipedia`` shards: id, url, title, text."""
+    return [{"id": r["id"], "url": f"https://en.wikipedia.org/wiki?curid={r['id']}", "title": r["title"],
+             "text": r["text"]} for r in records]
+
+
+def write_parquet(path: Path, records: list[dict], row_group_size: int = 2) -> Path:
+    """A column for every key of any record, null where a record lacks it."""
+    keys = list(dict.fromkeys(key for record in records for key in record))
+    pq.write_table(pa.table({key: [record.get(key) for record in records] for key in keys}), path,
+                   row_group_size=row_group_size)
+    return path
+
+
+def write_shards(folder: Path, records: list[dict], shards: int = 3) -> Path:
+    """``records`` split over ``train-0000N-of-0000M.parquet`` files, as the wikimedia/wikipedia dataset names them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for n, part in enumerate(np.array_split(np.arange(len(records)), shards)):
+        write_parquet(folder / f"train-{n:05d}-of-{shards:05d}.parquet", wikimedia_rows([records[i] for i in part]))
+    (folder / "README.md").write_text("not a shard: a folder's other files are left alone\n")
+    return folder
 
 
 def datamodule(path: Path, cache: Path, **overrides) -> WikipediaDataModule:

@@ -23,31 +23,8 @@ from lit_fsdp.data.corpus import open_corpus, read_documents
 from lit_fsdp.data.sft import SFTDataModule
 from lit_fsdp.data.token_cache import build_token_cache, open_tokens, wait_or_build
 from lit_fsdp.data.tokenizer import encode_documents, train_bpe
-from tests.corpus import articles, datamodule, write_array, write_lines
+from tests.corpus import articles, datamodule, wikimedia_rows, write_array, write_lines, write_parquet, write_shards
 from tests.helpers import REPO
-
-
-def wikimedia_rows(records: list[dict]) -> list[dict]:
-    """The columns of the ``wikimedia/wikipedia`` shards: id, url, title, text."""
-    return [{"id": r["id"], "url": f"https://en.wikipedia.org/wiki?curid={r['id']}", "title": r["title"],
-             "text": r["text"]} for r in records]
-
-
-def write_parquet(path: Path, records: list[dict], row_group_size: int = 2) -> Path:
-    """A column for every key of any record, null where a record lacks it."""
-    keys = list(dict.fromkeys(key for record in records for key in record))
-    pq.write_table(pa.table({key: [record.get(key) for record in records] for key in keys}), path,
-                   row_group_size=row_group_size)
-    return path
-
-
-def write_shards(folder: Path, records: list[dict], shards: int = 3) -> Path:
-    """``records`` split over ``train-0000N-of-0000M.parquet`` files, as the wikimedia/wikipedia dataset names them."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for n, part in enumerate(np.array_split(np.arange(len(records)), shards)):
-        write_parquet(folder / f"train-{n:05d}-of-{shards:05d}.parquet", wikimedia_rows([records[i] for i in part]))
-    (folder / "README.md").write_text("not a shard: a folder's other files are left alone\n")
-    return folder
 
 
 def write_compressed_lines(path: Path, records: list[dict]) -> Path:

@@ -15,7 +15,7 @@ from lit_fsdp.commands.export import export_hf
 from lit_fsdp.commands.generate import continue_text
 from lit_fsdp.presets import build_config
 from lit_fsdp.commands.trained import load_trained
-from tests.corpus import articles, write_array, write_lines
+from tests.corpus import articles, wikimedia_rows, write_array, write_lines, write_parquet, write_shards
 from tests.helpers import fit
 
 STEPS, SEQ_LEN = 12, 32
@@ -43,7 +43,7 @@ def run(tmp_path_factory) -> dict[str, Path]:
 
 
 def data(run, **overrides) -> EvaluationData:
-    return EvaluationData(path=str(run["valid"]), cache_dir=str(run["cache"]), **overrides)
+    return EvaluationData(**{"path": str(run["valid"]), "cache_dir": str(run["cache"]), **overrides})
 
 
 def evaluations(run) -> list[dict]:
@@ -161,3 +161,18 @@ def test_a_gpu_gives_the_cpu_perplexity_and_greedy_text(run):
     texts = [continue_text(load_trained(str(run["hf"]), device=device), "the cat", lambda _: None, max_new_tokens=8,
                            temperature=0).tolist() for device in ("cpu", "cuda")]
     assert texts[0] == texts[1]
+
+
+def test_evaluate_reads_parquet_files_folders_and_globs_of_shards_as_fit_does(run, tmp_path):
+    """The validation articles as one Parquet file, as a folder of shards and as a glob of them give the JSON Lines
+    file's tokens and loss; a text column of another name is read with --data.text_field."""
+    records = [json.loads(line) for line in run["valid"].read_text().splitlines()]
+    on_json = evaluate(str(run["run"]), data(run), batch_size=3)
+    shards = write_shards(tmp_path / "shards", records, shards=2)
+    renamed = write_parquet(tmp_path / "body.parquet", [{"title": r["title"], "body": r["text"]} for r in records])
+    for path, field in ((write_parquet(tmp_path / "valid.parquet", wikimedia_rows(records)), "text"), (shards, "text"),
+                        (shards / "train-*.parquet", "text"), (renamed, "body")):
+        result = evaluate(str(run["run"]), data(run, path=str(path), text_field=field), batch_size=3)
+        assert (result["tokens"], result["loss"]) == (on_json["tokens"], pytest.approx(on_json["loss"], rel=1e-6)), path
+    with pytest.raises(ValueError, match="body.parquet.*text"):  # the column checked before the model is loaded
+        evaluate(str(run["run"]), data(run, path=str(renamed), format="text"), batch_size=3)

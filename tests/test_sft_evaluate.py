@@ -21,6 +21,7 @@ from lit_fsdp.data.chat import ChatRenderer, read_samples
 from lit_fsdp.data.sft import SFTDataModule
 from lit_fsdp.data.tokenizer import tokenizer_files, train_bpe
 from lit_fsdp.presets import build_config
+from tests.corpus import write_parquet
 
 WORDS = "apple river stone house city music king water light north south green old new small".split()
 # the end of an answer is the eos token (one token, so generation stops there) or a marker of several tokens
@@ -230,3 +231,17 @@ def test_a_chat_evaluation_is_recorded_in_the_run_folder_and_prints_examples(pla
 def test_a_text_file_is_not_read_as_chat_when_told_text(place, tmp_path):
     with pytest.raises(ValueError, match="has no string 'text' field"):
         evaluate(str(place["run"]), chat(place, format="text", cache_dir=str(tmp_path)), device="cpu")
+
+
+def test_chat_samples_in_parquet_give_the_json_lines_files_evaluation(place, tmp_path):
+    records = [json.loads(line) for line in place["chat"].read_text().splitlines()]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_parquet(shards / "part-0.parquet", records[:5])
+    write_parquet(shards / "part-1.parquet", records[5:])
+    on_json = evaluate(str(place["plain"]), chat(place), batch_size=5, device="cpu")
+    on_parquet = evaluate(str(place["plain"]), EvaluationData(path=str(shards)), batch_size=5, device="cpu")
+    assert detect_format(shards) == "chat"
+    assert {key: on_parquet[key] for key in ("samples", "target_tokens", "exact_match")} == \
+        {key: on_json[key] for key in ("samples", "target_tokens", "exact_match")}
+    assert on_parquet["loss"] == pytest.approx(on_json["loss"], rel=1e-6)

@@ -19,8 +19,9 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lit_fsdp.data.blocks import TokenBlocks
-from lit_fsdp.data.chat import ChatRenderer, Sample, read_samples
-from lit_fsdp.data.corpus import check_corpus_file, first_char
+from lit_fsdp.data.chat import ChatRenderer, Sample
+from lit_fsdp.data.sft import read_samples_of
+from lit_fsdp.data.corpus import Corpus, file_records, open_corpus
 from lit_fsdp.data.token_cache import cache_dir_or_default, cached_tokens
 from lit_fsdp.commands.trained import DType, Trained, load_trained
 
@@ -33,46 +34,53 @@ EXTRA_TOKENS = 8
 IGNORE_INDEX = -100
 
 DataFormat = Literal["auto", "text", "chat"]
+#: what --data.path holds, for its errors
+RECORDS = "articles or chat samples"
 
 
 @dataclass
 class EvaluationData:
-    """The file to evaluate on.
+    """The corpus to evaluate on.
 
     Args:
-        path: JSON array or JSON Lines file of {"id", "title", "text"} articles (the format fit reads), or of chat
-            samples ({"messages": [{"role", "content"}, ...]} or {"prompt", "completion"}, SFTDataModule's format).
+        path: Articles ({"title", "text"}, the format fit reads) or chat samples ({"messages": [{"role", "content"},
+            ...]} or {"prompt", "completion"}, SFTDataModule's format): a JSON array or JSON Lines file (also .jsonl.gz,
+            .jsonl.zst), a Parquet file, or a folder or glob of such files, read in name order.
         cache_dir: Folder of the token caches, shared with fit; default $LIT_FSDP_CACHE, else ~/.cache/lit_fsdp/tokens.
             Chat samples are rendered in memory, without a cache.
-        format: text (articles), chat (samples), or auto: told by the keys of the file's first record.
+        format: text (articles), chat (samples), or auto: told by the keys of the first file's first record.
+        text_field: The field (JSON) or column (Parquet) holding each article's text, as fit's --data.text_field.
     """
 
     path: str
     cache_dir: str | None = None
     format: DataFormat = "auto"
+    text_field: str = "text"
 
 
-def detect_format(path: Path) -> Literal["text", "chat"]:
-    """``chat`` when the first record of ``path`` has ``messages`` or ``prompt``, ``text`` when it has ``text``.
+def detect_format(source: Corpus | Path, text_field: str = "text") -> Literal["text", "chat"]:
+    """``chat`` when the first record of ``source`` has ``messages`` or ``prompt``, ``text`` when it has
+    ``text_field``.
 
-    A first record that is not JSON is left to the text reader, whose error names the record.
+    A first record that cannot be read is left to the text reader, whose error names the record.
     """
-    record = _first_record(path)
+    corpus = source if isinstance(source, Corpus) else open_corpus(source, "--data.path", None, RECORDS)
+    record = _first_record(corpus.files[0])
     if record is _NOT_JSON:
         return "text"
     if isinstance(record, dict):
         if "messages" in record or "prompt" in record:
             return "chat"
-        if "text" in record:
+        if text_field in record:
             return "text"
         found = f"keys {', '.join(map(str, record))}" if record else "no keys"
     elif record is None:
-        raise ValueError(f"--data.path {path}: it holds no records; give Wikipedia articles or chat samples")
+        raise ValueError(f"--data.path {corpus}: it holds no records; give Wikipedia articles or chat samples")
     else:
         found = f"no keys (it is a {type(record).__name__})"
     raise ValueError(
-        f"--data.path {path}: its first record has {found}; expected 'text' (Wikipedia articles) or 'messages' or "
-        "'prompt' and 'completion' (chat samples)"
+        f"--data.path {corpus}: its first record has {found}; expected {text_field!r} (Wikipedia articles) or "
+        "'messages' or 'prompt' and 'completion' (chat samples)"
     )
 
 
@@ -80,14 +88,12 @@ _NOT_JSON = object()
 
 
 def _first_record(path: Path) -> Any:
-    """The first record of a JSON array (read lazily: a dump may be gigabytes) or JSON Lines file; None if none."""
-    with open(path, "rb") as file:
-        try:
-            if first_char(path) == "[":
-                return next(iter(ijson.items(file, "item")), None)
-            return next((json.loads(line) for line in file if line.strip()), None)
-        except (ValueError, ijson.JSONError):
-            return _NOT_JSON
+    """The first record of one corpus file, any format (a JSON array is read lazily: a dump may be gigabytes); None
+    if it has none."""
+    try:
+        return next((record for _, record, _ in file_records(path)), None)
+    except (ValueError, ijson.JSONError):
+        return _NOT_JSON
 
 
 def mean_loss(trained: Trained, blocks: TokenBlocks, batch_size: int) -> float:
@@ -186,11 +192,11 @@ def stop_tokens(trained: Trained, closing: str) -> set[int]:
 
 
 def evaluate_chat(
-    trained: Trained, source: Path, seq_len: int | None, batch_size: int, max_samples: int | None
+    trained: Trained, source: Corpus, seq_len: int | None, batch_size: int, max_samples: int | None
 ) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
     """The masked loss and exact match on the first ``max_samples`` samples of ``source`` (those with an answer), and
     the first examples as (prompt, reference, generated) texts."""
-    read = [sample for sample, _ in itertools.islice(read_samples(source), max_samples)]
+    read = [sample for sample, _ in itertools.islice(read_samples_of(source), max_samples)]
     samples = [sample for sample in read if sample.has_answer]
     if not samples:
         raise ValueError(f"--data.path {source}: none of the {len(read)} samples read has an assistant turn")
@@ -268,8 +274,12 @@ def evaluate(
             raise ValueError(f"{flag} {value} must be at least 1")
     if data.format not in ("auto", "text", "chat"):
         raise ValueError(f"--data.format {data.format!r}; give auto, text or chat")
-    source = check_corpus_file(data.path, "--data.path")
-    form = detect_format(source) if data.format == "auto" else data.format
+    if not data.text_field:
+        raise ValueError("--data.text_field is empty; give the name of the field or column holding the text")
+    source = open_corpus(data.path, "--data.path", text_field=None, records=RECORDS)
+    form = detect_format(source, data.text_field) if data.format == "auto" else data.format
+    if form == "text":  # the text column of every Parquet file checked before the model is loaded
+        source = open_corpus(data.path, "--data.path", text_field=data.text_field)
     trained = load_trained(checkpoint, device, dtype, tokenizer_path)
     seq_len = seq_len or trained.seq_len
     if form == "chat":

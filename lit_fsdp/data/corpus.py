@@ -175,18 +175,6 @@ def _check_file(path: Path, flag: str, text_field: str | None, objects: str) -> 
         )
 
 
-def check_corpus_file(path: str | Path, flag: str, records: str = "articles",
-                      listed: str = "a JSON array or JSON Lines file", objects: str = "objects") -> Path:
-    """The absolute path of one JSON file, after a cheap check that it exists and starts like JSON."""
-    path = Path(path).expanduser().absolute()
-    if not path.is_file():
-        raise FileNotFoundError(f"{flag} {path}: no such file; give {listed} of {records}")
-    if not is_plain_json(path):
-        raise ValueError(f"{flag} {path}: give {listed} of {records} here (uncompressed, not Parquet)")
-    _check_file(path, flag, None, objects)
-    return path
-
-
 def first_char(path: Path) -> str | None:
     """The first non-blank character of a (decompressed) file: ``[`` for a JSON array, ``{`` for JSON Lines, None
     when blank."""
