@@ -11,6 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.aggregation import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -42,6 +43,7 @@ class CausalLM(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
+        schedule_steps: int | None = None,
         loss_chunk_tokens: int = 1024,
         lora: LoraConfig | None = None,
     ):
@@ -56,6 +58,9 @@ class CausalLM(pl.LightningModule):
             betas: AdamW betas.
             warmup_steps: Linear warm-up steps before the cosine decay.
             min_lr_ratio: Final learning rate as a fraction of the peak.
+            schedule_steps: Optimizer steps the warm-up and cosine decay span; default the run's max_steps. A run
+                stopped early to be continued later (a warm start) gives the whole run's length, so the continuation
+                goes on along the same schedule.
             loss_chunk_tokens: Tokens whose full-vocabulary logits the loss makes at once (the head computes the
                 loss and its gradient chunk by chunk, so a step's whole logits never exist); 0 for the plain loss.
             lora: Train low-rank adapters on the frozen model instead of the model, e.g. ``{rank: 16, alpha: 32}``,
@@ -74,6 +79,9 @@ class CausalLM(pl.LightningModule):
         except Exception as error:  # transformers' own validation (strict dataclasses in 5.x) raises its own types
             raise OneLineError(f"--model.config_overrides {config_overrides} is refused by the model's config: "
                                f"{_first_line(error)}; fix or remove that field") from error
+        if schedule_steps is not None and schedule_steps <= warmup_steps:
+            raise ValueError(f"--model.schedule_steps {schedule_steps} must exceed --model.warmup_steps {warmup_steps}; "
+                             "give the whole run's optimizer steps, or leave it unset for max_steps")
         if loss_chunk_tokens < 0:
             raise ValueError(f"--model.loss_chunk_tokens is {loss_chunk_tokens}; give a positive number of tokens, "
                              "or 0 for the plain loss")
@@ -175,6 +183,14 @@ class CausalLM(pl.LightningModule):
             for logger in self.loggers:
                 logger.log_metrics({"data/entropy_rate": entropy_rate}, step=0)
 
+    def on_train_start(self) -> None:
+        # A resumed checkpoint restores its schedulers' peak learning rate; the one configured now is the one asked for.
+        for config in self.trainer.lr_scheduler_configs:
+            previous = follow_learning_rate(config.scheduler, self.hparams.learning_rate)
+            if previous is not None:
+                rank_zero_info(f"--model.learning_rate {self.hparams.learning_rate:g} replaces the resumed checkpoint's "
+                               f"{previous:g}: the schedule goes on from step {config.scheduler.last_epoch} at the new peak")
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self._lora is not None and self._lora.dropout:
             self._seed_dropout()
@@ -216,7 +232,8 @@ class CausalLM(pl.LightningModule):
         replacement = getattr(self.trainer.strategy, "replacement_optimizer", None)
         optimizer = (replacement and replacement(groups, **adamw)) or torch.optim.AdamW(groups, **adamw)
         # max_steps avoids estimated_stepping_batches, which would build the train loader before a resume.
-        total = self.trainer.max_steps if self.trainer.max_steps > 0 else self.trainer.estimated_stepping_batches
+        total = hp.get("schedule_steps") or (self.trainer.max_steps if self.trainer.max_steps > 0
+                                              else self.trainer.estimated_stepping_batches)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, int(total), hp.min_lr_ratio)
         )
@@ -299,6 +316,19 @@ def check_overrides(config: PretrainedConfig, overrides: dict[str, Any] | None) 
 def _first_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else type(error).__name__)
+
+
+def follow_learning_rate(scheduler: torch.optim.lr_scheduler.LambdaLR, peak: float) -> float | None:
+    """Make ``peak`` the scheduler's base learning rate, and its groups' current rate the schedule's at its step;
+    the base it had if that differed (a checkpoint of another learning rate was resumed), else None."""
+    if all(base == peak for base in scheduler.base_lrs):
+        return None
+    previous = scheduler.base_lrs[0]
+    scheduler.base_lrs = [peak] * len(scheduler.base_lrs)
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = peak, peak * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return previous
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -9,8 +9,8 @@ arm's best. Brackets: ``one_worker`` (one process at a replica's batch: half the
 outer lr 1 without momentum is the same run, since the average of one replica is itself).
 
 Protocols: ``scratch`` (every arm from the same initialisation) and ``continue`` (DiLoCo's own: a synchronous run of
-``--warm-steps`` steps per seed, then every arm continues from its checkpoint to ``--steps``; bytes are counted on the
-continuation).
+``--warm-steps`` steps per seed at ``--lr``, the first part of a ``--steps`` schedule, then every arm continues from
+its checkpoint to ``--steps`` along that schedule at its own inner lr; bytes are counted on the continuation).
 
 Every finished run is appended to ``OUT/results.jsonl`` at once, and runs already there are not run again, so a
 partial sweep is usable and an interrupted one resumes. ``--table`` prints the markdown tables from that file.
@@ -115,8 +115,9 @@ def warm_checkpoint(seed: int, args: argparse.Namespace) -> Path:
     checkpoint = out / "checkpoints" / "last.ckpt"
     if not checkpoint.exists():
         configs, shared = shared_arguments(seed, args)
+        # the first warm_steps of the whole run's schedule: the arms go on along it, each at its own peak
         outcome = launch(configs, [*shared, "--model.learning_rate", str(args.lr), "--trainer.max_steps",
-                                   str(args.warm_steps)], out)
+                                   str(args.warm_steps), "--model.schedule_steps", str(args.steps)], out)
         if outcome["status"] != "ok" or not checkpoint.exists():
             sys.exit(f"bench_diloco: the synchronous start of seed {seed} failed ({outcome['error']}); see {out}")
     return checkpoint
