@@ -25,9 +25,6 @@ def test_a_warm_start_continued_at_another_learning_rate_follows_the_whole_runs_
     go_on = fit(tmp_path / "continued", "--model.learning_rate", "2e-3", "--ckpt_path", str(checkpoint), devices=1,
                 steps=8, callbacks=MONITOR)
     assert go_on["lr-AdamW/pg1"] == pytest.approx(schedule(2e-3, range(4, 8), 8))
-    same = fit(tmp_path / "same", "--model.learning_rate", "1e-3", "--ckpt_path", str(checkpoint), devices=1,
-               steps=8, callbacks=MONITOR)
-    assert same["lr-AdamW/pg1"] == pytest.approx(schedule(1e-3, range(4, 8), 8))
 
 
 def test_following_a_learning_rate_rescales_the_groups_at_the_schedulers_step_and_is_a_no_op_when_equal():
