@@ -172,7 +172,12 @@ def tune(protocol: str, arm: str, seed: int, args: argparse.Namespace, once: Cal
     for index in range(low, high + 1):
         for outer in first:
             once(protocol, arm, seed, lr_point(args, index), outer)
-    for _ in range(args.lr_extend if args.lr_points >= 3 else 0):  # a grid of 1 or 2 points has no inside
+    # the points an earlier call added past the grid count against --lr-extend
+    tried = [round(math.log(r["inner_lr"] / args.lr, math.sqrt(2))) for r in read(args.out / "results.jsonl")
+             if (r["protocol"], r["arm"], r["seed"]) == (protocol, arm, seed)]
+    extended = max(0, low - min(tried)) + max(0, max(tried) - high)
+    low, high = min(low, *tried), max(high, *tried)
+    for _ in range(max(0, args.lr_extend - extended) if args.lr_points >= 3 else 0):  # 1 or 2 points: no inside
         chosen = best(read(args.out / "results.jsonl"), protocol, arm, seed)
         if chosen is None or chosen["inner_lr"] not in (lr_point(args, low), lr_point(args, high)):
             break
@@ -214,9 +219,9 @@ def sweep(args: argparse.Namespace) -> None:
                 once(protocol, arm, seed, chosen["inner_lr"], (chosen["outer_lr"], chosen["outer_momentum"]))
 
 
-def spread(values: list[float]) -> str:
-    mean = statistics.fmean(values)
-    return f"{mean:+.2f}% ± {statistics.stdev(values):.2f}" if len(values) > 1 else f"{mean:+.2f}% (one seed)"
+def spread(values: list[float], signed: bool = True) -> str:
+    mean = f"{statistics.fmean(values):{'+' if signed else ''}.{2 if signed else 0}f}%"
+    return f"{mean} ± {statistics.stdev(values):.{2 if signed else 0}f}" if len(values) > 1 else f"{mean} (one seed)"
 
 
 def table(records: list[dict]) -> str:
@@ -232,26 +237,32 @@ def table(records: list[dict]) -> str:
                       (r["inner_lr"], r["outer_lr"], r["outer_momentum"]) == (c["inner_lr"], c["outer_lr"], c["outer_momentum"])]
                 for arm, c in chosen.items()}
         base = {r["seed"]: r for r in runs["synchronous"]}
+        single = {r["seed"]: r for r in runs["one_worker"]}
         out += [f"**{protocol}**", "",
                 "| arm | H | best inner lr | outer lr, momentum | seeds | val loss | loss gap vs synchronous | "
-                "ppl gap vs synchronous | bytes vs per-step fp32 | tuning runs | inner lrs tried |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "ppl gap vs synchronous | the second worker's gain kept | bytes vs per-step fp32 | tuning runs | "
+                "inner lrs tried |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for arm in ARMS:
             if not runs[arm]:
                 continue
             c, paired = chosen[arm], [r for r in runs[arm] if r["seed"] in base]
             loss_gap = [100 * (r["val_loss"] / base[r["seed"]]["val_loss"] - 1) for r in paired]
             ppl_gap = [100 * (r["val_ppl"] / base[r["seed"]]["val_ppl"] - 1) for r in paired]
+            # one worker's loss less the arm's, over one worker's less the synchronous pair's: 100% is synchronous
+            kept = [100 * (single[r["seed"]]["val_loss"] - r["val_loss"])
+                    / (single[r["seed"]]["val_loss"] - base[r["seed"]]["val_loss"]) for r in paired if r["seed"] in single]
             outer = f"{c['outer_lr']:g}, {c['outer_momentum']:g}" if arm in DILOCO_ARMS else "-"
             tried = sum(r["arm"] == arm and r["seed"] == first for r in mine)
             lrs = sorted({r["inner_lr"] for r in mine if r["arm"] == arm and r["seed"] == first})
             out.append(
-                f"| {arm} | {c['sync_every'] or '-'} | {c['inner_lr']:g} | {outer} | {len(runs[arm])} "
+                f"| {arm} | {c['sync_every'] or '-'} | {c['inner_lr']:.3g} | {outer} | {len(runs[arm])} "
                 f"| {statistics.fmean(r['val_loss'] for r in runs[arm]):.4f} "
                 f"| {spread(loss_gap) if arm != 'synchronous' and loss_gap else '-'} "
                 f"| {spread(ppl_gap) if arm != 'synchronous' and ppl_gap else '-'} "
+                f"| {spread(kept, signed=False) if arm in DILOCO_ARMS and kept else '-'} "
                 f"| {statistics.fmean(r['compression_ratio'] for r in runs[arm]):.0f}x | {tried} "
-                f"| {lrs[0]:g}-{lrs[-1]:g} |")
+                f"| {len(lrs)}: {lrs[0]:.3g} to {lrs[-1]:.3g} |")
         out.append("")
     return "\n".join(out)
 
@@ -267,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync-every", type=int, default=0, help="every DiLoCo arm's H instead of its own (short runs)")
     parser.add_argument("--lr", type=float, default=2e-3, help="the centre of the inner learning-rate grid")
     parser.add_argument("--lr-points", type=int, default=5, help="points of the sqrt(2) grid")
-    parser.add_argument("--lr-extend", type=int, default=1,
+    parser.add_argument("--lr-extend", type=int, default=2,
                         help="points added past the grid's edge while the best inner lr lies on it")
     parser.add_argument("--outer-search", choices=["after-inner", "grid"], default="after-inner",
                         help="DiLoCo: the outer candidates at the best inner lr of the first (after-inner), or every pair")

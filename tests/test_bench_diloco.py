@@ -60,10 +60,13 @@ def tuning_args(tmp_path, **overrides):
 
 
 def fake_runs(args, loss):
-    """A stand-in for one training run: records the call and a validation loss given by ``loss(inner_lr, outer)``."""
+    """A stand-in for one training run: records the call and a validation loss given by ``loss(inner_lr, outer)``;
+    a setting already recorded is not run again, as the script's ``once`` does."""
     calls = []
 
     def once(protocol, arm, seed, inner_lr, outer):
+        if (protocol, arm, seed, inner_lr, *outer) in {bench.key(r) for r in bench.read(args.out / "results.jsonl")}:
+            return
         calls.append((inner_lr, outer))
         record = {"protocol": protocol, "arm": arm, "seed": seed, "inner_lr": inner_lr, "outer_lr": outer[0],
                   "outer_momentum": outer[1], "sync_every": 32, "val_loss": loss(inner_lr, outer)}
@@ -101,3 +104,13 @@ def test_an_out_folder_of_other_settings_is_refused_in_one_line(tmp_path):
     message = str(caught.value)
     assert f"{tmp_path} holds runs of other settings" in message and "another --out" in message and "\n" not in message
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_call_with_a_larger_lr_extend_goes_on_past_the_points_an_earlier_call_added(tmp_path):
+    args = tuning_args(tmp_path)
+    calls, once = fake_runs(args, lambda lr, outer: -lr)  # the larger the better, without end
+    bench.tune("scratch", "synchronous", 1, args, once)
+    assert [lr for lr, _ in calls] == [bench.lr_point(args, i) for i in (-1, 0, 1, 2)]
+    calls.clear()
+    bench.tune("scratch", "synchronous", 1, tuning_args(tmp_path, lr_extend=3), once)
+    assert [lr for lr, _ in calls] == [bench.lr_point(args, i) for i in (3, 4)]
