@@ -165,7 +165,7 @@ def test_a_sweep_run_keeps_the_callbacks_its_configs_list_or_append(tmp_path):
     the list an earlier config gave; ``callbacks`` replaces it. compare_runs' four are added where missing."""
     names = lambda configs: [e["class_path"] for e in sweep_script.run_callbacks(configs, "run", {})]  # noqa: E731
     appended = names([REPO / "configs" / "quickstart.yaml", REPO / "configs" / "offload.yaml"])
-    assert appended[0] == "lightning.pytorch.callbacks.ModelCheckpoint" and "callbacks.OffloadStats" in appended
+    assert appended[0] == "callbacks.ModelCheckpoint" and "callbacks.OffloadStats" in appended
     own = tmp_path / "own.yaml"
     own.write_text("trainer:\n  callbacks:\n    - class_path: callbacks.Memory\n")
     assert names([own, REPO / "configs" / "offload.yaml"]) == [

@@ -44,8 +44,9 @@ TRAINER_DEFAULTS = {
 #: A parser default, not Lightning's ``trainer_defaults``: those are appended after parsing, where no config can take
 #: them out. ``--trainer.enable_checkpointing false`` leaves this list's ModelCheckpoint out (``_no_checkpoints``).
 CALLBACKS: list[dict[str, Any]] = [
-    # to <default_root_dir>/checkpoints (_preflight); resume with --ckpt_path last; read by generate and evaluate
-    {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+    # to <default_root_dir>/checkpoints (_preflight); resume with --ckpt_path last; read by generate and evaluate.
+    # Lightning's, with last also saved at the final step when max_steps is not a multiple of 100
+    {"class_path": "callbacks.ModelCheckpoint",
      "init_args": {"save_last": True, "every_n_train_steps": 100}},
     {"class_path": "callbacks.Throughput"},  # tokens/s in the progress bar; throughput.json
     {"class_path": "callbacks.Memory"},
