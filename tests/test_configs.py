@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from callbacks import CommProfiler
+from callbacks import ModelCheckpoint as StandardCheckpoint
 from lit_fsdp.commands.cli import CALLBACKS, run
 from tests.helpers import REPO
 
@@ -120,9 +121,9 @@ def test_comm_profiler_adds_one_comm_profiler_unless_the_callbacks_list_one(tmp_
 
 def test_the_trainer_gets_the_standard_callbacks_and_one_progress_bar(tmp_path):
     callbacks = trainer_callbacks(tmp_path, "--config", str(QUICKSTART))
-    assert measuring(callbacks) == STANDARD[1:]  # Lightning puts the ModelCheckpoint last
+    assert measuring(callbacks) == [*STANDARD[1:], STANDARD[0]]  # Lightning puts the ModelCheckpoint last
     (checkpoint,) = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
-    assert checkpoint.save_last and checkpoint._every_n_train_steps == 100
+    assert type(checkpoint) is StandardCheckpoint and checkpoint.save_last and checkpoint._every_n_train_steps == 100
     assert sum(isinstance(c, ProgressBar) for c in callbacks) == 1
     quiet = trainer_callbacks(tmp_path, "--config", str(QUICKSTART), "--trainer.enable_progress_bar", "false")
     assert not any(isinstance(c, ProgressBar) for c in quiet)
