@@ -1,15 +1,18 @@
 """The learning-rate schedule: warm-up and cosine over ``schedule_steps`` (default max_steps), a warm start stopped
-early goes on along the whole run's schedule when continued, and a resumed run takes the learning rate it is given."""
+early goes on along the whole run's schedule when continued, and a resumed run takes the learning rate it is given;
+the standard checkpoint (callbacks.ModelCheckpoint) saves ``last`` at the final step between two saves of its cadence,
+so the continuation starts there."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lit_fsdp.checkpoints import inspect
 from lit_fsdp.model import CausalLM, follow_learning_rate, warmup_cosine
 from tests.helpers import fit
 
-MONITOR = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}},
+MONITOR = [{"class_path": "callbacks.ModelCheckpoint", "init_args": {"save_last": True, "every_n_train_steps": 3}},
            {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor", "init_args": {"logging_interval": "step"}}]
 
 
@@ -17,11 +20,12 @@ def schedule(peak: float, steps: range, total: int) -> list[float]:
     return [peak * warmup_cosine(step, 2, total, 0.1) for step in steps]  # FAST's warm-up of 2 steps
 
 
-def test_a_warm_start_continued_at_another_learning_rate_follows_the_whole_runs_schedule_at_the_new_peak(tmp_path):
+def test_a_warm_start_saved_at_its_last_step_goes_on_at_another_lr_along_the_whole_schedule(tmp_path):
     warm = fit(tmp_path / "warm", "--model.learning_rate", "1e-3", "--model.schedule_steps", "8", devices=1, steps=4,
                callbacks=MONITOR)
     assert warm["lr-AdamW/pg1"] == pytest.approx(schedule(1e-3, range(4), 8))  # not decayed to its end at step 4
     checkpoint = tmp_path / "warm" / "checkpoints" / "last.ckpt"
+    assert inspect(checkpoint).manifest["step"] == 4  # saved at the final step, not only at the cadence's step 3
     go_on = fit(tmp_path / "continued", "--model.learning_rate", "2e-3", "--ckpt_path", str(checkpoint), devices=1,
                 steps=8, callbacks=MONITOR)
     assert go_on["lr-AdamW/pg1"] == pytest.approx(schedule(2e-3, range(4, 8), 8))
