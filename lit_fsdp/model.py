@@ -232,8 +232,8 @@ class CausalLM(pl.LightningModule):
         replacement = getattr(self.trainer.strategy, "replacement_optimizer", None)
         optimizer = (replacement and replacement(groups, **adamw)) or torch.optim.AdamW(groups, **adamw)
         # max_steps avoids estimated_stepping_batches, which would build the train loader before a resume.
-        total = hp.get("schedule_steps") or (self.trainer.max_steps if self.trainer.max_steps > 0
-                                              else self.trainer.estimated_stepping_batches)
+        total = hp.schedule_steps or (self.trainer.max_steps if self.trainer.max_steps > 0
+                                      else self.trainer.estimated_stepping_batches)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, int(total), hp.min_lr_ratio)
         )

@@ -220,8 +220,10 @@ def sweep(args: argparse.Namespace) -> None:
 
 
 def spread(values: list[float], signed: bool = True) -> str:
-    mean = f"{statistics.fmean(values):{'+' if signed else ''}.{2 if signed else 0}f}%"
-    return f"{mean} ± {statistics.stdev(values):.{2 if signed else 0}f}" if len(values) > 1 else f"{mean} (one seed)"
+    """Mean ± sd over seeds: a signed gap to 2 decimals, or an unsigned share in whole percent."""
+    sign, digits = ("+", 2) if signed else ("", 0)
+    mean = f"{statistics.fmean(values):{sign}.{digits}f}%"
+    return f"{mean} ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else f"{mean} (one seed)"
 
 
 def table(records: list[dict]) -> str:
