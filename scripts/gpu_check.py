@@ -621,6 +621,12 @@ def step_eight_b_control(record: Record, device: str, work: Path) -> None:
     _eight_b("eight_b_control", record, device, work, _merge(_as_shipped(device), _nest(EIGHT_B_BEFORE)))
 
 
+def step_eight_b_compiled(record: Record, device: str, work: Path) -> None:
+    """The 8B as shipped with its blocks compiled (``compile_blocks``): what compiling is worth to SlideFSDP's step."""
+    compiled = {"trainer": {"strategy": {"init_args": {"compile_blocks": True}}}}
+    _eight_b("eight_b_compiled", record, device, work, _merge(_as_shipped(device), compiled))
+
+
 def step_onebit(record: Record, device: str, work: Path) -> None:
     """FSDP2 + 1-bit Adam on one device across its freeze, under sync-debug mode (host syncs per step by call site)
     and the communication profiler on a real trace."""
@@ -752,9 +758,10 @@ STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
     "probe": (step_probe, 65),  # its rates about 20 s on the H200, the update and model rates about 15 s more
     # the 8B as shipped: the set-up of the 8Bs on record (86-100 s to the first step, about 100 GB of host buffers
     # touched), 5 steps of 64k tokens at about 10 s, the last delayed update and the estimate: about 160 s
-    "eight_b": (step_eight_b, 230),
-    "eight_b_control": (step_eight_b_control, 170),  # 122 s on the H100 for 4 of its 5 steps (eight_b_fp32)
-    "fsdp2_1b": (step_fsdp2_1b, 75),  # 41 s on the H200; 54 s for the compiled 8 x 2048 setting on the H100
+    "eight_b": (step_eight_b, 210),
+    "eight_b_control": (step_eight_b_control, 160),  # 139 s on the H100 (docs/gpu_runs/2026-11-27-h100)
+    # 41 s on the H200; 54 s for the compiled 8 x 2048 setting on the H100, 56 s to its last step on the next H100
+    "fsdp2_1b": (step_fsdp2_1b, 100),
     # --- beyond the default plan: --steps names them
     "cuda_tests": (step_cuda_tests, 70),
     "slide_fsdp": (step_slide_fsdp, 180),
@@ -769,6 +776,7 @@ STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
     "tune": (step_tune, 300),
     "sft": (step_sft, 170),
     "eight_b_lora": (step_eight_b_lora, 200),
+    "eight_b_compiled": (step_eight_b_compiled, 260),  # eight_b's time and its 32 blocks' compilation
 }
 #: The default plan: the probe (its hardware.json is what every estimate uses), the 8B as shipped and its control,
 #: the 1B as shipped. It fits one device call: their deadlines add up to PLAN_SECONDS at most.
