@@ -621,10 +621,11 @@ def step_eight_b_control(record: Record, device: str, work: Path) -> None:
     _eight_b("eight_b_control", record, device, work, _merge(_as_shipped(device), _nest(EIGHT_B_BEFORE)))
 
 
-def step_eight_b_compiled(record: Record, device: str, work: Path) -> None:
-    """The 8B as shipped with its blocks compiled (``compile_blocks``): what compiling is worth to SlideFSDP's step."""
-    compiled = {"trainer": {"strategy": {"init_args": {"compile_blocks": True}}}}
-    _eight_b("eight_b_compiled", record, device, work, _merge(_as_shipped(device), compiled))
+def step_eight_b_eager(record: Record, device: str, work: Path) -> None:
+    """The 8B as shipped with its blocks left eager (``compile_blocks: false``): what compiling is worth to SlideFSDP's
+    step."""
+    eager = {"trainer": {"strategy": {"init_args": {"compile_blocks": False}}}}
+    _eight_b("eight_b_eager", record, device, work, _merge(_as_shipped(device), eager))
 
 
 def step_onebit(record: Record, device: str, work: Path) -> None:
@@ -755,15 +756,16 @@ def step_eight_b_lora(record: Record, device: str, work: Path) -> None:
 #: Every step and its deadline in seconds on one H100: about 1.25x its longest time in docs/gpu_runs/ (the estimate's
 #: few seconds added), or, for a step no record has timed yet, its set-up and steps counted from the nearest record.
 STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
-    "probe": (step_probe, 65),  # its rates about 20 s on the H200, the update and model rates about 15 s more
-    # the 8B as shipped: the set-up of the 8Bs on record (86-100 s to the first step, about 100 GB of host buffers
-    # touched), 5 steps of 64k tokens at about 10 s, the last delayed update and the estimate: about 160 s
-    "eight_b": (step_eight_b, 210),
-    "eight_b_control": (step_eight_b_control, 160),  # 139 s on the H100 (docs/gpu_runs/2026-11-27-h100)
-    # 41 s on the H200; 54 s for the compiled 8 x 2048 setting on the H100, 56 s to its last step on the next H100
-    "fsdp2_1b": (step_fsdp2_1b, 100),
+    "probe": (step_probe, 60),  # 48 s on the H100
+    # the 8B as shipped: 110-130 s to the first step (about 100 GB of host buffers touched, its blocks compiled), 5 steps
+    # of 64k tokens at about 8 s, the last delayed update and the estimate: 193 s on the H100 (as eight_b_compiled)
+    "eight_b": (step_eight_b, 235),
+    # 41 s on the H200; 54 s for the compiled 8 x 2048 setting on the H100, 89 s on the next H100 (a 50 s compile)
+    "fsdp2_1b": (step_fsdp2_1b, 110),
+    "cuda_tests": (step_cuda_tests, 70),  # 41 s on the H100
     # --- beyond the default plan: --steps names them
-    "cuda_tests": (step_cuda_tests, 70),
+    "eight_b_control": (step_eight_b_control, 170),  # 139 s on the H100
+    "eight_b_eager": (step_eight_b_eager, 205),  # 170 s on the H100 (as eight_b)
     "slide_fsdp": (step_slide_fsdp, 180),
     "parity": (step_parity, 130),
     "onebit": (step_onebit, 70),
@@ -776,18 +778,18 @@ STEPS: dict[str, tuple[Callable[[Record, str, Path], None], int]] = {
     "tune": (step_tune, 300),
     "sft": (step_sft, 170),
     "eight_b_lora": (step_eight_b_lora, 200),
-    "eight_b_compiled": (step_eight_b_compiled, 260),  # eight_b's time and its 32 blocks' compilation
 }
-#: The default plan: the probe (its hardware.json is what every estimate uses), the 8B as shipped and its control,
-#: the 1B as shipped. It fits one device call: their deadlines add up to PLAN_SECONDS at most.
-PLAN = ("probe", "eight_b", "eight_b_control", "fsdp2_1b")
+#: The default plan: the probe (its hardware.json is what every estimate uses), the 8B and the 1B as shipped, the
+#: CUDA-only tests. It fits one device call: their deadlines add up to PLAN_SECONDS at most. The 8B's control and
+#: its eager blocks (measured in docs/gpu_runs/2026-11-27-h100) no longer fit beside them: --steps names them.
+PLAN = ("probe", "eight_b", "fsdp2_1b", "cuda_tests")
 PLAN_SECONDS = 540  # a device call's 10 minutes, less a minute for the wheels' install, Python's start and the copy back
 PLAN_BUDGET = sum(STEPS[name][1] for name in PLAN)  # --budget's default
 #: The CPU mode's deadlines are the GPU's times this: tiny sizes, but each run's set-up and estimate on the 2 shared
 #: cores of a CI machine.
 CPU_DEADLINE_FACTOR = 3
 # the 8B steps run only if slide_fsdp passed, when it ran too
-REQUIRES = {name: "slide_fsdp" for name in ("eight_b", "eight_b_control", "eight_b_lora")}
+REQUIRES = {name: "slide_fsdp" for name in ("eight_b", "eight_b_control", "eight_b_lora", "eight_b_eager")}
 
 
 # --- driver --------------------------------------------------------------------------------------------

@@ -6,14 +6,17 @@
 It takes ``fit``'s configs and arguments and ``--tune.hardware`` (default: this machine, detected), builds the
 model on the meta device and no Trainer (the hardware need not be here), and prints, per process and optimizer
 step: host memory per node by buffer, the device peak by component, host-device bytes, the CPU update's bytes
-and time, network bytes per collective, compute time at the device's peak, and the step time and MFU these
-bound; and one checkpoint's bytes. With ``--model.lora`` only the adapters have gradients, AdamW state,
+and time, network bytes per collective, compute time at the device's peak, and the step time and MFU; and one
+checkpoint's bytes. With ``--model.lora`` only the adapters have gradients, AdamW state,
 reduce-scatters and checkpoints; under FSDP2 the frozen base is still sharded in float32 and gathered in the compute
 dtype, under SlideFSDP it is kept on the host in the compute dtype alone and streamed, with no master.
 The memory figures are the preflight's and the tuner's (``offload.host_memory``, ``lit_fsdp.commands.tune.memory``,
 ``lit_fsdp.checkpoints.checkpoint_size``);
-times are bytes or FLOPs over the hardware file's rates, each resource at its peak, overlapped as the strategy
-overlaps them: a bound, not a measurement.
+times are bytes or FLOPs over the hardware file's rates, overlapped as the strategy overlaps them (SlideFSDP's
+schedule: ``offload.step_time``). With the hardware file's ``compute_efficiency`` (the share of its peak the device
+reaches, as ``scripts/gpu_check.py``'s probe measures it) the step time is a prediction; without it every resource
+is at its peak and the step time a bound. MFU is over the datasheet's peak where ``lit_fsdp.device_peaks`` knows
+the device, as ``callbacks.Throughput`` measures it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from lit_fsdp.commands.cli import LitFsdpCLI, run as parse_fit
 from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
 from lit_fsdp.lora import adapter_parameters, trained_matrices
 from lit_fsdp.commands.help import plain
+from lit_fsdp.device_peaks import device_peaks, matmul_format
 from lit_fsdp.strategy import CausalLMStrategy
 from lit_fsdp.commands.tune.command import default_candidate, parse_options, run_shape, split_arguments
 from lit_fsdp.commands.tune.hardware import Hardware, detect, load
@@ -274,14 +278,19 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     step_time = bound = mfu = None
     step_model: dict[str, Any] | None = None
     efficiency = hardware.compute_efficiency or 1.0
+    # MFU's denominator is the datasheet's peak, as callbacks.Throughput's, where the table knows the device (a
+    # probed hardware file's peak_tflops is the measured matmul rate); else the hardware file's
+    mfu_peak = device_peaks(hardware.device_name).get(matmul_format(compute)) or peak
     if not missing:
-        step_time = max(times.values())
+        # the device's compute at the share of its peak it reaches; transfers and the network at their rates
+        reached = {**times, "compute_s": times["compute_s"] / efficiency}
+        step_time = max(reached.values())
         if candidate.strategy == "slide_fsdp":
             slide = slide_step(trainer, units, model_flops, flops, peak * 1e12 * efficiency, times, hardware, compute)
             step_model = asdict(slide)
             step_time = max(step_time, slide.step_s)
-        bound = max(times, key=times.get).removesuffix("_s")
-        mfu = model_flops / (step_time * peak * 1e12)
+        bound = max(reached, key=reached.get).removesuffix("_s")
+        mfu = model_flops / (step_time * mfu_peak * 1e12)
     device_total, host_total = sum(device.values()), sum(host.values())
     device_memory = hardware.memory_per_process_gb(processes) * GIB
     checkpoint = checkpoint_size(strategy, config, run.world_size, trainer.num_nodes, lora)
@@ -296,7 +305,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         "h2d_bytes": traffic["h2d"], "d2h_bytes": traffic["d2h"], "network_bytes": network,
         "semi_synchronous": bool(getattr(strategy, "sync_every", 0)),
         "cpu_update_bytes": update_bytes, "model_flops": model_flops, "flops": flops, "times": times,
-        "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu,
+        "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu, "mfu_peak_tflops": mfu_peak,
         "compute_efficiency": hardware.compute_efficiency, "step_model": step_model,
         "checkpoint_bytes": checkpoint.total(weights_only=False), "checkpoint_counted": checkpoint.counted,
     }
@@ -368,6 +377,10 @@ def report(figures: dict[str, Any]) -> str:
                      f"{model['backward_s']:.3f} s, CPU update {model['update_s']:.3f} s of which "
                      f"{model['exposed_update_s']:.3f} s exposed; step time {figures['step_time_s']:.3f} s, "
                      f"MFU {figures['mfu']:.1%}, with {at}")
+    elif figures["compute_efficiency"]:
+        lines.append(f"bound: {figures['bound']}; step time {figures['step_time_s']:.3f} s, MFU {figures['mfu']:.1%}, "
+                     f"with the device at {figures['compute_efficiency']:.0%} of its peak (the hardware file's "
+                     "compute_efficiency) and every other rate at its peak")
     else:
         lines.append(f"bound: {figures['bound']}; step time >= {figures['step_time_s']:.3f} s; "
                      f"MFU <= {figures['mfu']:.1%} (every rate at its peak: an upper bound)")
