@@ -121,14 +121,14 @@ class Coder:
         return [
             self._next("micro_batch", base.micro_batch, up=True),
             self._fsdp2(base, self._next("blocks_per_group", base.blocks_per_group, up=True)),
-            self._fsdp2(base, self._set("compile_blocks", True, base.compile_blocks) if self.run.accelerator == "cuda" else {}),
+            self._set("compile_blocks", True, base.compile_blocks) if self.run.accelerator == "cuda" else {},
         ]
 
     def compute(self, base: Candidate) -> list[Move]:
         on_gpu = self.run.accelerator == "cuda"
         return [
             self._set("param_dtype", "bfloat16", base.param_dtype) if on_gpu and base.param_dtype == "float32" else {},
-            self._fsdp2(base, self._set("compile_blocks", True, base.compile_blocks) if on_gpu else {}),
+            self._set("compile_blocks", True, base.compile_blocks) if on_gpu else {},
             self._less_checkpointing(base),
             self._next("micro_batch", base.micro_batch, up=True),
         ]

@@ -30,7 +30,7 @@ STRATEGY_CLASSES = {"fsdp2": "lit_fsdp.strategy.FSDP2Strategy", "slide_fsdp": "o
 COMMON_KNOBS = ("micro_batch", "param_dtype", "activation_checkpointing")
 STRATEGY_KNOBS = {
     "fsdp2": ("sharding", "replicate_size", "blocks_per_group", "prefetch", "compile_blocks", "cpu_offload", "compression"),
-    "slide_fsdp": ("window", "param_transfer", "grad_sync", "activation_offload", "delayed_update"),
+    "slide_fsdp": ("window", "param_transfer", "grad_sync", "activation_offload", "delayed_update", "compile_blocks"),
 }
 
 
