@@ -368,19 +368,19 @@ def report(figures: dict[str, Any]) -> str:
     if figures["missing_rates"]:
         lines.append("step time and MFU: unknown; the hardware file lacks the rates for "
                      f"{', '.join(figures['missing_rates'])} (peak_tflops, pcie_gbps, host_memory_gbps, *_node_gbps)")
-    elif figures["step_model"]:
+        return "\n".join(lines)
+    efficiency = figures["compute_efficiency"]
+    at = (f"the device at {efficiency:.0%} of its peak (the hardware file's compute_efficiency)" if efficiency
+          else "the device at its peak (no compute_efficiency in the hardware file): an upper bound")
+    if figures["step_model"]:
         model = figures["step_model"]
-        efficiency = figures["compute_efficiency"]
-        at = (f"the device at {efficiency:.0%} of its peak (the hardware file's compute_efficiency)" if efficiency
-              else "the device at its peak (no compute_efficiency in the hardware file): an upper bound")
         lines.append(f"step ({model['schedule']} update): forward {model['forward_s']:.3f} s, backward "
                      f"{model['backward_s']:.3f} s, CPU update {model['update_s']:.3f} s of which "
                      f"{model['exposed_update_s']:.3f} s exposed; step time {figures['step_time_s']:.3f} s, "
                      f"MFU {figures['mfu']:.1%}, with {at}")
-    elif figures["compute_efficiency"]:
+    elif efficiency:
         lines.append(f"bound: {figures['bound']}; step time {figures['step_time_s']:.3f} s, MFU {figures['mfu']:.1%}, "
-                     f"with the device at {figures['compute_efficiency']:.0%} of its peak (the hardware file's "
-                     "compute_efficiency) and every other rate at its peak")
+                     f"with {at} and every other rate at its peak")
     else:
         lines.append(f"bound: {figures['bound']}; step time >= {figures['step_time_s']:.3f} s; "
                      f"MFU <= {figures['mfu']:.1%} (every rate at its peak: an upper bound)")

@@ -276,14 +276,13 @@ def evaluate(
         raise ValueError(f"--data.format {data.format!r}; give auto, text or chat")
     if not data.text_field:
         raise ValueError("--data.text_field is empty; give the name of the field or column holding the text")
-    form, source = data.format, None
+    form = data.format
+    # records for auto-detection and chat samples; detection's open is what a chat corpus is read from
+    source = open_corpus(data.path, "--data.path", text_field=None, records=RECORDS) if form != "text" else None
     if form == "auto":
-        source = open_corpus(data.path, "--data.path", text_field=None, records=RECORDS)
         form = detect_format(source, data.text_field)
     if form == "text":  # the text column of every Parquet file checked before the model is loaded
         source = open_corpus(data.path, "--data.path", text_field=data.text_field)
-    elif source is None:
-        source = open_corpus(data.path, "--data.path", text_field=None, records=RECORDS)
     trained = load_trained(checkpoint, device, dtype, tokenizer_path)
     seq_len = seq_len or trained.seq_len
     if form == "chat":
