@@ -117,6 +117,16 @@ def checkpoint_every(step: int, dirpath) -> dict:
     }
 
 
+def gpu_run_result(window: str, run: str) -> dict:
+    """The results record (results.jsonl's line) of training run ``run`` in a GPU window's summaries,
+    ``docs/gpu_runs/<window>/*summary*.json``: the first that has one (a run cut by its deadline may have none)."""
+    for summary in sorted((REPO / "docs" / "gpu_runs" / window).glob("*summary*.json")):
+        for step in json.loads(summary.read_text()):
+            if step["step"] == run and "result" in step[run]:
+                return step[run]["result"]
+    raise LookupError(f"no finished run {run!r} in docs/gpu_runs/{window}")
+
+
 def record(path) -> dict:
     return {"class_path": "tests.probes.RecordBatches", "init_args": {"path": str(path)}}
 

@@ -15,7 +15,7 @@ from lit_fsdp.commands.tune.hardware import detect, load
 from lit_fsdp.data.tokenizer import train_bpe
 from lit_fsdp.presets import build_config
 from offload.host_memory import GIB
-from tests.helpers import REPO
+from tests.helpers import REPO, gpu_run_result
 
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402
@@ -91,8 +91,7 @@ def test_the_step_model_predicts_the_recorded_h100_8b_step_within_15_percent_fro
     against its time, the copies' rate. With them in a hardware file, ``estimate`` predicts that run's median step
     (the first step among four: the median is the steady one) within 15%: the backward waits for the update, which
     the forward does not overlap."""
-    record = json.loads((REPO / "docs" / "gpu_runs" / "2026-11-26-h100" / "summary-2.json").read_text())[1]
-    measured = record["eight_b_fp32"]["result"]
+    measured = gpu_run_result("2026-11-26-h100", "eight_b_fp32")
     before = _figures(capsys, *EIGHT_B_BEFORE)
     backward_flops = before["flops"] - before["model_flops"] / 3
     rates = {**json.loads(H100.read_text()),
@@ -112,20 +111,19 @@ WINDOW_4 = REPO / "docs" / "gpu_runs" / "2026-11-27-h100"
 EAGER = ["--trainer.strategy.init_args.compile_blocks", "false"]
 
 
-@pytest.mark.parametrize(("summary", "run", "configs", "arguments"), [
-    ("summary-2.json", "eight_b_compiled", [EIGHT_B], []),  # the 8B as shipped
-    ("summary-1.json", "eight_b", [EIGHT_B], EAGER),
-    ("summary-1.json", "eight_b_control", [EIGHT_B], [*EIGHT_B_BEFORE, *EAGER]),
-    ("summary-2.json", "fsdp2_1b", [REPO / "configs" / "llama_1b.yaml"], ["--data.init_args.vocab_size", "128256"]),
+@pytest.mark.parametrize(("run", "configs", "arguments"), [
+    ("eight_b_compiled", [EIGHT_B], []),  # the 8B as shipped
+    ("eight_b", [EIGHT_B], EAGER),
+    ("eight_b_control", [EIGHT_B], [*EIGHT_B_BEFORE, *EAGER]),
+    ("fsdp2_1b", [REPO / "configs" / "llama_1b.yaml"], ["--data.init_args.vocab_size", "128256"]),
 ])
 def test_the_probed_h100_predicts_every_recorded_step_within_15_percent_and_mfu_over_the_datasheets_peak(
-        capsys, summary, run, configs, arguments):
+        capsys, run, configs, arguments):
     """Window 4's probe (docs/gpu_runs/2026-11-27-h100/hardware.json: its matmul rate as the peak, the share of it a
     model step reached as compute_efficiency, the CPU update's and the copies' rates) in ``estimate`` predicts each of
     that window's measured steady steps (2 first steps left out) within 15%, SlideFSDP's and FSDP2's alike, and its
     MFU is the measured one's (callbacks.Throughput's) at the predicted step: FLOPs per token over the datasheet's peak."""
-    record = next(step for step in json.loads((WINDOW_4 / summary).read_text()) if step["step"] == run)
-    measured = record[run]["result"]
+    measured = gpu_run_result(WINDOW_4.name, run)
     main(["--config", str(QUICKSTART), *[a for c in configs for a in ("--config", str(c))],
           "--tune.hardware", str(WINDOW_4 / "hardware.json"), *arguments, "--json"])
     predicted = json.loads(capsys.readouterr().out)

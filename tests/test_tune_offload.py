@@ -6,7 +6,6 @@ shipped ``configs/llama_8b_offload.yaml``."""
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import replace
 from importlib import import_module
 
@@ -23,7 +22,7 @@ from lit_fsdp.commands.tune.judge import Evidence, judge
 from lit_fsdp.commands.tune.memory import GIB, MemoryFilter, ModelShape
 from lit_fsdp.commands.tune.space import STRATEGY_CLASSES, Candidate, RunShape, SearchSpace, outside
 from lit_fsdp.commands.tune.trials import Trial
-from tests.helpers import REPO
+from tests.helpers import REPO, gpu_run_result
 
 RUN = RunShape(world_size=1, nodes=1, accelerator="cuda", seq_len=2048, batch_per_process=32, clipping=True)
 ACCUMULATING = Candidate(strategy="slide_fsdp", micro_batch=8, param_dtype="bfloat16", activation_checkpointing=1)
@@ -134,10 +133,7 @@ CONTEXT_GB = 2.0  # the CUDA context and allocator caches a real trial's peak wo
 def _compiled_step_share() -> float:
     """The 8B's steady step with compiled blocks over its eager one, as measured on the H100 (window 4's records:
     ``eight_b_compiled`` and ``eight_b``, the shipped config otherwise): what ``estimate`` does not model."""
-    window = REPO / "docs" / "gpu_runs" / "2026-11-27-h100"
-    p50 = {step["step"]: step[step["step"]]["result"]["step_time_ms_p50"]
-           for summary in ("summary-1.json", "summary-2.json") for step in json.loads((window / summary).read_text())
-           if step["step"] in ("eight_b", "eight_b_compiled")}
+    p50 = {run: gpu_run_result("2026-11-27-h100", run)["step_time_ms_p50"] for run in ("eight_b", "eight_b_compiled")}
     return p50["eight_b_compiled"] / p50["eight_b"]
 
 
@@ -149,6 +145,7 @@ class EstimatedTrials:
 
     def __init__(self, trainer, module, data, hardware, base_init_args):
         self.trainer, self.module, self.data, self.hardware, self.base = trainer, module, data, hardware, base_init_args
+        self.compiled_step_share = _compiled_step_share()
         self.ran: list[Candidate] = []
 
     def __call__(self, candidate: Candidate, index: int, source: str, deadline_s: float) -> Trial:
@@ -168,7 +165,7 @@ class EstimatedTrials:
         if candidate.compile_blocks and figures["step_model"] is not None:
             model = figures["step_model"]
             device_s = model["forward_s"] + model["backward_s"]
-            step_s += device_s * (_compiled_step_share() - 1)
+            step_s += device_s * (self.compiled_step_share - 1)
         trial = Trial(candidate, source, "ok", index=index, tokens_per_s=figures["tokens_per_process"] / step_s,
                       step_time_ms_p50=step_s * 1e3, mfu=figures["mfu"],
                       peak_gb=figures["device_peak_bytes"] / GIB + CONTEXT_GB)
