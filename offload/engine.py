@@ -35,6 +35,7 @@ from offload.checkpointing import ActivationStore, BeforeBackward, CheckpointedB
 from offload.cpu_adam import CpuAdam
 from offload.gradients import GradientPipeline
 from offload.residency import DeviceWindow
+from offload.schedule import UpdateSchedule
 from offload.transfers import Transfers
 
 IDLE, FORWARD, BACKWARD = "idle", "forward", "backward"
@@ -63,7 +64,7 @@ def overlap(interval: tuple[float, float], window: tuple[float, float]) -> float
 
 def hidden_update_s(updates: list[tuple[float, float]], backward: tuple[float, float],
                     idle: tuple[tuple[float, float], ...]) -> float:
-    """Seconds of the CPU ``updates`` that ran while the device computed the ``backward`` (issue 26): each update's
+    """Seconds of the CPU ``updates`` that ran while the device computed the ``backward``: each update's
     overlap with the backward, less its overlap with the device's ``idle`` gaps in it (disjoint, inside the backward),
     all on the host clock. A CPU-bound step, whose device idles while the host waits for the update that frees a
     gradient buffer, hides at most the device's compute, not the host's whole backward."""
@@ -84,11 +85,14 @@ class SlideEngine:
         checkpoint_every: int,
         offload_activations: bool,
         pin: bool,
+        schedule: UpdateSchedule,
     ):
         """
         Args:
             blocks: The network's blocks in forward order; ``layouts`` has one layout per block, then the root (every
                 parameter; ``gradients.layouts`` are the trained ones).
+            schedule: When the CPU updates run (``offload.schedule``): deferred to the end of the backward (clipping,
+                skip_step) or delayed to the next step, else started as each unit's gradients arrive.
         """
         self.network = network
         self.layouts = layouts
@@ -102,8 +106,7 @@ class SlideEngine:
         self.activations = ActivationStore(self, offload_activations, gradients.host, pin)
         self.phase = IDLE
         self.accumulating = False  # inside Lightning's block_backward_sync: no update at this backward
-        self.defer_updates = False  # clipping or skip_step: updates wait for the end of the backward
-        self.delay_updates = False  # DPU: a step's updates run during the next step (``GradientPipeline.start_delayed``)
+        self.schedule = schedule
         self.arrived: list[list[int]] = []  # gradients accumulated per unit and gradient part in the current backward
         self.sent = [0] * len(layouts)  # gradient parts sent per unit in the current backward
         self.last_step: OffloadStep | None = None  # the figures of the last optimizer step
@@ -191,7 +194,7 @@ class SlideEngine:
         grads = [place.param.grad for place in places]
         for place in places:
             place.param.grad = None
-        update_now = not (self.accumulating or self.defer_updates)
+        update_now = not (self.accumulating or self.schedule.defer)
         self.gradients.reduce_and_offload(unit, part, grads, update_now)
         self.sent[unit] += 1
         if self.sent[unit] < len(self.gradients.parts[unit]):
@@ -232,7 +235,7 @@ class SlideEngine:
         step's, then queue this step's (and, ``warming_up``, apply them before the next step); and account for it."""
         waited = min([time.perf_counter(), *(start for start, _ in adam.wait_intervals)])  # the host's step ended
         adam.wait()  # the gradients of this step have all arrived (and were applied, without clipping or delay)
-        if not self.delay_updates:
+        if not self.schedule.delay:
             for unit in self.gradients.kept_units():  # with clipping: every update, now that the norm is known
                 adam.submit(lambda u=unit: self.gradients.update(u))
             adam.wait()
@@ -244,13 +247,13 @@ class SlideEngine:
         update_s = sum(end - start for start, end in intervals)
         idle = [gap for b in backwards for gap in b.idle]
         waits, adam.wait_intervals = adam.wait_intervals, []
-        if self.delay_updates and self.step_began is not None:  # hidden: ran while the host drove the device's step
+        if self.schedule.delay and self.step_began is not None:  # hidden: ran while the host drove the device's step
             step = (self.step_began, waited)
             hidden = sum(overlap(update, step) - sum(overlap(update, gap) for gap in [*idle, *waits])
                          for update in intervals)
         else:
             hidden = sum(hidden_update_s(intervals, b.host, b.idle) for b in backwards)
-        if self.delay_updates:
+        if self.schedule.delay:
             self.gradients.start_delayed()
             if warming_up:
                 self.gradients.apply_delayed()

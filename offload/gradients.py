@@ -10,15 +10,15 @@ The host side runs on the CPU optimizer's worker thread while the device goes on
 of the units before it: wait for the copy, then either update the unit at once, or add the gradient
 to the unit's kept buffer (gradient accumulation, clipping) and update it at the optimizer step.
 
-A delayed update (``delay``, ZeRO-Offload's DPU) keeps each piece in its buffer (the reduce dtype, no fp32 copy)
-and, for clipping and the non-finite guard, adds its squared norm to the step's; at the optimizer step the step's
+A delayed update (``UpdateSchedule.delay``, ZeRO-Offload's DPU) keeps each piece in its buffer (the reduce dtype,
+no fp32 copy) and, for clipping and the non-finite guard, adds its squared norm to the step's; at the optimizer step the step's
 updates are queued on the worker with the clipping coefficient, and run during the next step's forward and backward.
 They update the master and moments only: the device may still load the unit from the staging copy in that step, so
 the unit's staging rows are rewritten from the master when its next gradient reaches the host (its last load of the
 step is over then, on every rank: the gradient's collective shows it).
 
-Non-finite gradients (``check_finite``): with ``gpu_reduce`` the device sums the reduced shard and sends
-whether the sum is finite as one more element of the copy, so the host reads no gradient twice (on a GPU
+Non-finite gradients (``UpdateSchedule.check_units_finite``): with ``gpu_reduce`` the device sums the reduced shard
+and sends whether the sum is finite as one more element of the copy, so the host reads no gradient twice (on a GPU
 the check costs a reduction at device bandwidth, and no host sync); with ``cpu_reduce`` the host sums it.
 """
 
@@ -36,6 +36,7 @@ from lit_fsdp.errors import OneLineError
 from offload.cpu_adam import CHUNK, CpuAdam
 from offload.host import HostState
 from offload.host_memory import FLAG_ELEMENTS, pieces
+from offload.schedule import UpdateSchedule
 from offload.transfers import Event, Transfers
 
 
@@ -103,7 +104,7 @@ class GradientPipeline:
         shard_group: dist.ProcessGroup | None,
         replicate_group: dist.ProcessGroup | None,
         host_group: dist.ProcessGroup | None,
-        check_finite: bool,
+        schedule: UpdateSchedule,
     ):
         """
         Args:
@@ -111,8 +112,11 @@ class GradientPipeline:
             adam: The CPU optimizer; None when not fitting (nothing is updated).
             shard_group: The node's ranks (reduce-scatter); replicate_group: the same shard on every node.
             host_group: A gloo group of all ranks used only from the worker thread (``cpu_reduce``).
-            check_finite: Before an update, check the unit's gradients; a unit with non-finite values is not
-                updated, and counted (``take_nonfinite``) for the strategy's guard.
+            schedule: When the updates run (``offload.schedule``). With ``check_units_finite`` each unit's gradients
+                are checked before its update; a unit with non-finite values is not updated, and counted
+                (``take_nonfinite``) for the strategy's guard. With ``delay`` each piece waits in its buffer for the
+                next step's update (module docstring), its squared norm added to ``squared_norm`` on arrival with
+                ``norms_on_arrival``.
         """
         self.layouts, self.host, self.adam, self.transfers = layouts, host, adam, transfers
         self.gpu_reduce = gpu_reduce
@@ -125,12 +129,10 @@ class GradientPipeline:
         # ring buffers each unit's gradients take per micro-batch
         self.pieces_per_unit = [sum(pieces(part.layout.shard_numel, self.capacity) for part in parts) for parts in self.parts]
         self.received = [0] * len(layouts)  # pieces added to each kept buffer since the last update
-        self.check_finite = check_finite
-        self.flag_elements = FLAG_ELEMENTS if gpu_reduce and check_finite else 0  # the device's verdict, copied along
+        self.schedule = schedule
+        self.flag_elements = FLAG_ELEMENTS if gpu_reduce and schedule.check_units_finite else 0  # the device's verdict, copied along
         self.finite = [True] * len(layouts)  # the device's verdicts on each kept gradient's pieces, and-ed
         self.nonfinite_units: set[int] = set()  # units with an update withheld for non-finite gradients since the last take
-        self.delay = False  # DPU: pieces wait in their buffers for the next step's update (module docstring)
-        self.norms = False  # with ``delay``: add each piece's squared norm to ``squared_norm`` on arrival
         self.arriving: list[list[tuple[int, int, torch.Tensor, torch.Tensor]]] = [[] for _ in layouts]  # this step's
         self.squared_norm = 0.0  # of this step's gradient on this rank (``norms``)
         self.scale = 1.0  # clipping's coefficient for this step's delayed updates
@@ -194,7 +196,7 @@ class GradientPipeline:
         except Exception as error:
             release()
             raise host_update_error(unit, error) from error
-        if not (self.delay and self.arriving[unit] and self.arriving[unit][-1][3] is incoming):
+        if not (self.schedule.delay and self.arriving[unit] and self.arriving[unit][-1][3] is incoming):
             release()  # a delayed update's piece keeps its buffer until the update
 
     def _apply_on_host(self, unit: int, start: int, stop: int, incoming: torch.Tensor, copied: Event, update_now: bool,
@@ -211,8 +213,8 @@ class GradientPipeline:
             shard = incoming[self.shard_rank * layout.shard_numel : (self.shard_rank + 1) * layout.shard_numel]
             if self.world_size > 1:
                 shard.div_(self.world_size)
-        if self.delay:
-            if self.norms:
+        if self.schedule.delay:
+            if self.schedule.norms_on_arrival:
                 self.squared_norm += squared_norm(shard)
             self.arriving[unit].append((start, stop, shard, buffer))
             self.received[unit] += 1
@@ -249,7 +251,7 @@ class GradientPipeline:
         """Update rows ``[start, stop)`` of ``unit``'s shard and their staging rows in one pass, unless the gradient is not
         finite (``finite``: the device's verdict on its part; None: the host checks with one reduction, no mask the
         size of the gradient)."""
-        if self.check_finite:
+        if self.schedule.check_units_finite:
             if finite is None:
                 finite = bool(torch.isfinite(gradient.sum(dtype=torch.float32)))
             if not finite:
@@ -285,7 +287,7 @@ class GradientPipeline:
         ``on_nonfinite: warn``), and the clipping coefficient its delayed updates will take if ``max_norm``."""
         self.adam.wait()
         self.scale = 1.0
-        if not self.norms:
+        if not self.schedule.norms_on_arrival:
             return None
         squared = torch.tensor(self.squared_norm, dtype=torch.float64)
         self.squared_norm = 0.0

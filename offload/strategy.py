@@ -36,9 +36,10 @@ from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, OffloadStep, SlideEngine
 from offload.gradients import GradientPipeline
 from offload.host import HostState, SharedStaging, can_pin, node_tag
-from offload.host_memory import gradient_slots
+from offload.host_memory import UnitSize
 from offload.layout import build_layouts, trained_layouts
-from offload.preflight import HostPreflight, sizes_of
+from offload.plan import SlidePlan, SlideRun, model_units, sizes_of
+from offload.preflight import UpdateThreads, host_memory_budget
 from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
 from offload.transfers import Transfers
@@ -46,7 +47,7 @@ from offload.transfers import Transfers
 OptimizerStateDType = Literal["float32", "bfloat16"]
 
 
-class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
+class SlideFSDPStrategy(CausalLMStrategy):
     """Layer-streaming CPU offload (SlideFSDP): master weights and AdamW on the host, a window of blocks on the device."""
 
     strategy_name = "slide_fsdp"
@@ -175,11 +176,47 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
             raise ValueError(f"SlideFSDP: {world_size} processes do not split evenly over {num_nodes} nodes")
         return (num_nodes, world_size // num_nodes)
 
+    def plan(self, trainer: Any, compute: torch.dtype | None = None) -> SlidePlan:
+        """This strategy's plan on ``trainer`` (``offload.plan``); ``compute`` overrides the dtype it resolves
+        (``estimate`` on a machine without the run's GPU)."""
+        compute = compute or self.resolve_dtype(self.param_dtype)
+        return SlidePlan(
+            window=self.window, param_transfer=self.param_transfer, grad_sync=self.grad_sync,
+            activation_offload=self.activation_offload, activation_checkpointing=self.activation_checkpointing,
+            optimizer_state_dtype=getattr(torch, self.optimizer_state_dtype), delayed_update=self.delayed_update,
+            gradient_slots=self.gradient_slots, on_nonfinite=self.on_nonfinite,
+            run=SlideRun.of_trainer(trainer, self.root_device.type), compute_dtype=compute,
+            reduce_dtype=self.resolve_dtype(self.reduce_dtype, fallback=compute),
+        )
+
+    def model_units(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
+        """Every unit's size with ``shards`` ranks per node, from the model on the meta device (``offload.plan``)."""
+        return model_units(module, datamodule, shards, self.block_class, self.grad_sync == "gpu_reduce")
+
+    def host_buffer_estimate(self, trainer: Any, module: pl.LightningModule, datamodule: Any = None,
+                             compute: torch.dtype | None = None, units: list[UnitSize] | None = None) -> dict[str, int]:
+        """The node's host bytes per buffer for this run; offloaded activations need ``datamodule`` (its batch size
+        and sequence length); ``units`` are ``model_units``' when the caller has them already."""
+        plan = self.plan(trainer, compute)
+        units = units or self.model_units(module, datamodule, trainer.num_devices)
+        return plan.host_buffers(units, self._activation_bytes(plan, units, module, datamodule))
+
+    @staticmethod
+    def _activation_bytes(plan: SlidePlan, units: list[UnitSize], module: Any, datamodule: Any) -> int:
+        if datamodule is None:
+            return 0
+        return plan.activation_bytes(len(units) - 1, datamodule.batch_size, datamodule.seq_len,
+                                     module.hf_config(datamodule).hidden_size)
+
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
+        """The knobs against the run, LoRA's dtype, then the host buffers against the host's memory."""
         super().preflight(trainer, module, datamodule)
-        self.check_knobs(trainer)
+        plan = self.plan(trainer)
+        plan.check_knobs()
         self.check_lora(module)
-        self.check_host_memory(trainer, module, datamodule)
+        units = self.model_units(module, datamodule, trainer.num_devices)
+        plan.check_host(units, *host_memory_budget(self.host_memory_gb),
+                        activation_bytes=self._activation_bytes(plan, units, module, datamodule))
 
     def check_lora(self, module: pl.LightningModule) -> None:
         """LoRA's frozen base is kept in the compute dtype alone: bfloat16 (or float32) rounds it as FSDP2's cast does,
@@ -197,9 +234,15 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         """Gradients on the host, their norms and checkpoints: gloo beside NCCL (``lit_fsdp.strategy.process_group_backend``)."""
         return "SlideFSDP"
 
+    def update_threads(self) -> UpdateThreads:
+        """This rank's update threads' plan (``offload.preflight``)."""
+        gpus = tuple(device.index for device in self.parallel_devices or () if device.type == "cuda")
+        return UpdateThreads(self.root_device, self.cpu_threads, self.cpu_binding, self.control_cores,
+                             self.num_processes, self.local_rank, gpus)
+
     def setup_environment(self) -> None:
         super().setup_environment()
-        threads, self.update_threads_reason = self.plan_update_threads()
+        threads, self.update_threads_reason = self.update_threads().plan()
         rank_zero_info(f"SlideFSDP CPU update: {self.update_threads_reason}")
         if threads is not None:
             torch.set_num_threads(threads)
@@ -236,9 +279,10 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         if full and shards > 1:
             numel = sum(layout.full_numel for layout in layouts)
             shared = SharedStaging(numel, compute, pin, shard_rank, node_tag(self.node_rank), shard_mesh.get_group())
-        slots = gradient_slots(sizes_of(layouts, trained, self.grad_sync == "gpu_reduce"), self.host_setup(trainer))
+        plan = self.plan(trainer)
+        slots = plan.ring_slots(sizes_of(layouts, trained, self.grad_sync == "gpu_reduce"))
         self.host = HostState(
-            layouts, compute, reduce, full_staging=full, keep_gradients=self.keeps_gradients(trainer),
+            layouts, compute, reduce, full_staging=full, keep_gradients=plan.schedule.keep_gradients,
             incoming_full=self.grad_sync == "cpu_reduce", ring_size=slots, pin=pin, shared=shared, trained=trained,
         )
         self.host_state_dict = HostStateDict(network, trained, self.host.master, self.cpu_mesh, self.host.frozen_rows())
@@ -256,18 +300,14 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
             trained, self.host, None, transfers, gpu_reduce=self.grad_sync == "gpu_reduce", reduce_dtype=reduce,
             world_size=self.world_size, shard_rank=shard_rank, shard_group=device_shards,
             replicate_group=self.device_mesh["replicate"].get_group() if self.num_nodes > 1 else None,
-            host_group=self.host_group,
-            check_finite=self.checks_units_finite(trainer),
+            host_group=self.host_group, schedule=plan.schedule,
         )
         self.engine = SlideEngine(
             network, blocks, layouts, window, gradients, transfers, self.activation_checkpointing,
-            self.activation_offload == "cpu", pin,
+            self.activation_offload == "cpu", pin, plan.schedule,
         )
         if self.compile_blocks:
             compile_forwards(blocks, device)
-        self.engine.defer_updates = self.defers_updates(trainer)
-        self.engine.delay_updates = gradients.delay = self.delayed_update
-        gradients.norms = self.norms_on_arrival(trainer)
         self._describe(layouts, compute, shards, pin)
 
     def _describe(self, layouts: list, compute: torch.dtype, shards: int, pin: bool) -> None:
@@ -357,7 +397,7 @@ class SlideFSDPStrategy(HostPreflight, CausalLMStrategy):
         non-finite values first): wait for them; there is no global norm.
         """
         assert self.engine is not None and self.adam is not None
-        if not self.engine.defer_updates:
+        if not self.engine.schedule.defer:
             self.adam.wait()
             return None
         group = self.cpu_mesh["shard"].get_group() if self.cpu_mesh["shard"].size() > 1 else None

@@ -11,7 +11,7 @@ of up to that many milliseconds, and events are futures that complete when the s
 computing thread stands for the compute stream: waiting on an event blocks it. A missing wait, or a buffer
 reused before its copy ran, then changes the numbers, as it would on a GPU.
 
-**The backward's clock** (``BackwardClock``, issue 26): what the CPU updates hide is measured against the device's
+**The backward's clock** (``BackwardClock``): what the CPU updates hide is measured against the device's
 backward, not the host's. The host's backward is stretched by its waits for a free gradient buffer (a CPU-bound step
 waits for the update that frees one), and the device, out of queued work, idles through them: timing events on the
 compute stream at the backward's ends and around each such wait give the device's compute and its idle gaps, read

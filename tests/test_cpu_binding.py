@@ -194,8 +194,8 @@ def test_bind_process_moves_existing_and_later_threads() -> None:
 
 
 def test_slide_fsdp_on_gpus_binds_each_rank_to_its_share_and_takes_its_update_threads_from_it(two_nodes, monkeypatch):
-    """``SlideFSDPStrategy.bind_cpus``: local rank 3 of 4 GPUs binds to the second half of node 1 (what is bound is
-    what was planned); ``cpu_binding: none`` and CPU runs leave affinity alone."""
+    """``SlideFSDPStrategy.update_threads().bind``: local rank 3 of 4 GPUs binds to the second half of node 1 (what is
+    bound is what was planned); ``cpu_binding: none`` and CPU runs leave affinity alone."""
     import torch
 
     from offload import SlideFSDPStrategy
@@ -212,19 +212,19 @@ def test_slide_fsdp_on_gpus_binds_each_rank_to_its_share_and_takes_its_update_th
         strategy.cluster_environment = SimpleNamespace(local_rank=lambda: 3)
         return strategy
 
-    binding = on_gpus(control_cores=2).bind_cpus(two_nodes)
+    binding = on_gpus(control_cores=2).update_threads().bind(two_nodes)
     assert binding.node == 1 and binding.threads == 8 - 2
     assert bound == [set(binding.cpus)] and binding.cpus == parse_cpu_list("24-31,88-95")
-    assert on_gpus(cpu_binding="none").bind_cpus(two_nodes) is None
+    assert on_gpus(cpu_binding="none").update_threads().bind(two_nodes) is None
     on_cpu = SlideFSDPStrategy()
     on_cpu.parallel_devices = [torch.device("cpu")]
-    assert on_cpu.bind_cpus(two_nodes) is None and len(bound) == 1
+    assert on_cpu.update_threads().bind(two_nodes) is None and len(bound) == 1
     with pytest.raises(ValueError, match="cpu_binding='nodes': set it to numa or none"):
         SlideFSDPStrategy(cpu_binding="nodes")
 
 
 def test_a_gpu_rank_states_its_update_threads_and_what_cut_them(two_nodes, monkeypatch):
-    """Issue 26: the probe and the run record say how many update threads a rank got and why (affinity, quota, SMT
+    """The probe and the run record say how many update threads a rank got and why (affinity, quota, SMT
     siblings, binding); a cgroup quota of 24 CPUs over 4 ranks leaves 5 threads each, under the binding's 6."""
     import torch
 
@@ -238,10 +238,10 @@ def test_a_gpu_rank_states_its_update_threads_and_what_cut_them(two_nodes, monke
     strategy = SlideFSDPStrategy(control_cores=2)
     strategy.parallel_devices = [torch.device("cuda", index) for index in range(4)]
     strategy.cluster_environment = SimpleNamespace(local_rank=lambda: 3)
-    threads, reason = strategy.plan_update_threads(two_nodes)
+    threads, reason = strategy.update_threads().plan(two_nodes)
     assert threads == 24 // 4 - 1 == 5
     assert reason.startswith("5 update threads: 64 CPUs in the affinity mask (32 physical cores), a cgroup quota of 24 "
                              "CPUs; 4 process(es) per node, one core each left to launching kernels; bound to NUMA node 1, "
                              "CPUs 24-31,88-95 (8 cores), 6 update threads")
     strategy.cpu_threads = 3
-    assert strategy.plan_update_threads(two_nodes) == (3, "3 update threads: cpu_threads was set")
+    assert strategy.update_threads().plan(two_nodes) == (3, "3 update threads: cpu_threads was set")

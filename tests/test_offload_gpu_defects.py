@@ -1,5 +1,5 @@
-"""Two defects of issue 26 first seen on an H200, pinned on CPU: the hidden share of the CPU update measured against
-the host's backward (defect 4), and activation offload on torch's caching pinned allocator (defect 7)."""
+"""Two defects first seen on an H200, pinned on CPU: the hidden share of the CPU update measured against the host's
+backward, and activation offload on torch's caching pinned allocator."""
 
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ def _slow_pipeline(monkeypatch, update_s: float, slots: int = 2):
     each CPU update taking ``update_s`` longer (inside the time the optimizer measures)."""
     from compress.layout import UnitLayout
     from offload.gradients import GradientPipeline
+    from offload.schedule import UpdateSchedule
 
     real = cpu_adam.adamw_step_in_chunks
     monkeypatch.setattr(cpu_adam, "adamw_step_in_chunks", lambda *a, **k: (time.sleep(update_s), real(*a, **k))[1])
@@ -73,7 +74,7 @@ def _slow_pipeline(monkeypatch, update_s: float, slots: int = 2):
     adam = cpu_adam.CpuAdam(layouts, state.master, torch.optim.AdamW(params, lr=1e-3))
     return GradientPipeline(layouts, state, adam, transfers.Transfers(torch.device("cpu")), gpu_reduce=True,
                             reduce_dtype=torch.float32, world_size=1, shard_rank=0, shard_group=None,
-                            replicate_group=None, host_group=None, check_finite=False)
+                            replicate_group=None, host_group=None, schedule=UpdateSchedule())
 
 
 @pytest.mark.parametrize("compute_s, update_s, hidden_share", [(0.005, 0.06, (0.0, 0.3)), (0.06, 0.005, (0.6, 1.0))],

@@ -157,12 +157,21 @@ def _llama_8b_offload():
     return strategy, trainer, CausalLM(**config["model"]), data
 
 
+def _check_host(strategy, trainer, module, data, available=None):
+    """The preflight's host check of ``strategy``'s plan (``available`` bytes, else what the host or the knob says)."""
+    from offload.preflight import host_memory_budget
+
+    budget = (available, "available") if available is not None else host_memory_budget(strategy.host_memory_gb)
+    units = strategy.model_units(module, data, trainer.num_devices)
+    return strategy.plan(trainer).check_host(units, *budget)
+
+
 def test_the_8b_offload_config_fits_a_128_gib_host_with_30_gib_to_spare_and_is_refused_on_80():
     """The shipped 8B config (bfloat16 moments, delayed update with clipping, 64k tokens in one micro-batch): the
     preflight counts the gradient ring that holds a step's pieces (no fp32 gradient copy) and no offloaded activations."""
     strategy, trainer, module, data = _llama_8b_offload()
     assert strategy.delayed_update and trainer.gradient_clip_val and data.batch_size * data.seq_len == 65_536
-    parts = strategy.check_host_memory(trainer, module, data, available=128 * GIB)
+    parts = _check_host(strategy, trainer, module, data, available=128 * GIB)
     assert round(parts["master"] / GIB, 1) == 29.9 and round(parts["adam_moments"] / GIB, 1) == 29.9
     assert round(parts["staging"] / GIB, 1) == 15.0  # bfloat16, one exact-size region: no power-of-two rounding
     # a step's pieces, each the largest block's bfloat16 gradient and its flag: 32 blocks and the root's 1.05B in
@@ -172,7 +181,7 @@ def test_the_8b_offload_config_fits_a_128_gib_host_with_30_gib_to_spare_and_is_r
     assert 128 * GIB - sum(parts.values()) >= 30 * GIB
     with pytest.raises(ValueError, match=r"^SlideFSDP needs 94.4 GiB of host memory per node for 8.03B parameters "
                                          r"\(master 29.9, adam_moments 29.9, .*\) but 80.0 GiB are available; use"):
-        strategy.check_host_memory(trainer, module, data, available=80 * GIB)
+        _check_host(strategy, trainer, module, data, available=80 * GIB)
 
 
 def test_the_8b_offload_configs_update_moves_24_bytes_per_parameter_delayed_and_20_undelayed():
@@ -321,13 +330,14 @@ def test_a_checkpoint_of_float32_moments_resumes_with_bfloat16_moments_rounded_t
         assert torch.equal(loaded[key], saved[key].bfloat16())  # rounded to nearest on the way in
 
 
-def _pipeline(capacity: int, keep: bool, seed: int = 0, slots: int = 2):
+def _pipeline(capacity: int, keep: bool, seed: int = 0, slots: int = 2, delay: bool = False):
     """One process's gradient pipeline over a block and a root (3 parameters), its ring buffers holding ``capacity``
     gradient elements (as if its largest block had that many), copies emulated as asynchronous; the master rows start
-    from ``seed``."""
+    from ``seed``; ``delay``: its updates delayed to the next step, the norm summed as the pieces arrive."""
     from offload.host_memory import FLAG_ELEMENTS
     from compress.layout import UnitLayout
     from offload.gradients import GradientPipeline
+    from offload.schedule import UpdateSchedule
     from offload.transfers import Transfers
 
     generator = torch.Generator().manual_seed(seed)
@@ -347,7 +357,9 @@ def _pipeline(capacity: int, keep: bool, seed: int = 0, slots: int = 2):
     adam = cpu_adam.CpuAdam(layouts, state.master, held)
     pipeline = GradientPipeline(layouts, state, adam, Transfers(torch.device("cpu"), emulated_delay_ms=2.0),
                                 gpu_reduce=True, reduce_dtype=torch.bfloat16, world_size=1, shard_rank=0, shard_group=None,
-                                replicate_group=None, host_group=None, check_finite=True)
+                                replicate_group=None, host_group=None,
+                                schedule=UpdateSchedule(delay=delay, defer=delay, norms_on_arrival=delay,
+                                                        check_units_finite=True))
     return pipeline, params
 
 
@@ -394,8 +406,8 @@ def test_a_delayed_update_applies_each_steps_clipped_gradient_at_its_learning_ra
     without clipping and within float32 rounding with it (the coefficient multiplies inside the fused kernel, not the
     kept fp32 gradient); what is still queued at the end is applied by ``apply_delayed``."""
     pieces_per_step = 1 + 3 + 1 + 2  # the block, then the root's parameters in pieces of 128 elements
-    (undelayed, params), (delayed, _) = _pipeline(128, keep=True), _pipeline(128, keep=False, slots=pieces_per_step + 2)
-    delayed.delay = delayed.norms = True
+    (undelayed, params), (delayed, _) = (_pipeline(128, keep=True),
+                                         _pipeline(128, keep=False, slots=pieces_per_step + 2, delay=True))
     generator = torch.Generator().manual_seed(3)
     same = torch.equal if max_norm is None else partial(torch.testing.assert_close, rtol=2e-6, atol=1e-7)
 
@@ -472,8 +484,8 @@ def test_gradient_slots_are_one_per_piece_of_a_backward_plus_two_when_delayed_an
 
 
 def test_host_memory_gb_replaces_memavailable_where_a_vm_grants_memory_as_it_is_used(monkeypatch):
-    """Issue 26: on a VM whose MemAvailable starts far below what it will grant, the preflight refused a run that fits;
-    ``host_memory_gb`` states the memory instead, and each refusal names where its figure came from."""
+    """On a VM whose MemAvailable starts far below what it will grant, a preflight on MemAvailable refuses a run that
+    fits; ``host_memory_gb`` states the memory instead, and each refusal names where its figure came from."""
     from offload import SlideFSDPStrategy
     from offload import preflight as slide
 
@@ -481,11 +493,11 @@ def test_host_memory_gb_replaces_memavailable_where_a_vm_grants_memory_as_it_is_
     monkeypatch.setattr(slide, "available_host_bytes", lambda: 20 * GIB)  # what such a VM reports at start
     with pytest.raises(ValueError, match=r"but 20.0 GiB are available \(MemAvailable; set host_memory_gb on a VM that "
                                          r"grows its memory on demand\); use"):
-        strategy.check_host_memory(trainer, module, data)
+        _check_host(strategy, trainer, module, data)
     strategy.host_memory_gb = 120.0
-    assert round(sum(strategy.check_host_memory(trainer, module, data).values()) / GIB, 1) == 94.4
+    assert round(sum(_check_host(strategy, trainer, module, data).values()) / GIB, 1) == 94.4
     strategy.host_memory_gb = 64.0
     with pytest.raises(ValueError, match=r"but 64.0 GiB are allowed by host_memory_gb; use"):
-        strategy.check_host_memory(trainer, module, data)
+        _check_host(strategy, trainer, module, data)
     with pytest.raises(ValueError, match=r"^SlideFSDP host_memory_gb=0 must be > 0, or null for MemAvailable$"):
         SlideFSDPStrategy(host_memory_gb=0)

@@ -60,16 +60,29 @@ def test_the_refusal_comes_in_preflight_before_any_worker_starts():
         strategy.preflight(trainer, module=None)
 
 
+def _trainer(devices: int, accumulation: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(num_nodes=1, num_devices=devices, accumulate_grad_batches=accumulation, gradient_clip_val=None)
+
+
+class Reached(Exception):
+    """The preflight went past the knobs' checks to the model's sizes."""
+
+
 def test_cpu_reduce_on_gpus_is_refused_in_preflight_and_allowed_on_one_gpu_or_on_cpu():
     strategy = on(GPU, SlideFSDPStrategy(grad_sync="cpu_reduce"))
     with pytest.raises(ValueError, match="grad_sync: cpu_reduce copies every rank's whole gradients.*use grad_sync: gpu_reduce"):
-        strategy.preflight(SimpleNamespace(num_nodes=1, num_devices=2), module=None)
+        strategy.preflight(_trainer(2), module=None)
     checked = []
-    for device, trainer in ((GPU, SimpleNamespace(num_nodes=1, num_devices=1)),
-                            (torch.device("cpu"), SimpleNamespace(num_nodes=1, num_devices=2))):
+
+    def reached(*args):
+        checked.append(args)
+        raise Reached
+
+    for device, trainer in ((GPU, _trainer(1)), (torch.device("cpu"), _trainer(2))):
         allowed = on(device, SlideFSDPStrategy(grad_sync="cpu_reduce"))
-        allowed.check_host_memory = lambda *args: checked.append(args)  # the next check: reached means not refused
-        allowed.preflight(trainer, module=None)
+        allowed.model_units = reached  # the host check's sizes come next: reached means not refused
+        with pytest.raises(Reached):
+            allowed.preflight(trainer, module=None)
     assert len(checked) == 2
 
 
@@ -96,4 +109,4 @@ def test_auto_dtype_is_bfloat16_on_a_gpu_with_it_in_hardware(monkeypatch):
 def test_a_delayed_update_with_gradient_accumulation_is_refused_in_preflight():
     strategy = on(GPU, SlideFSDPStrategy(delayed_update=True))
     with pytest.raises(ValueError, match="delayed_update applies .* set delayed_update: false or accumulate_grad_batches: 1"):
-        strategy.preflight(SimpleNamespace(num_nodes=1, num_devices=1, accumulate_grad_batches=2), module=None)
+        strategy.preflight(_trainer(1, accumulation=2), module=None)

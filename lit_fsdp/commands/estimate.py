@@ -116,6 +116,7 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
     checkpointed inputs go there and back.
     """
     strategy, steps = trainer.strategy, trainer.accumulate_grad_batches
+    schedule = strategy.plan(trainer, compute).schedule
     p = compute.itemsize
     reduce = reduce_dtype.itemsize
     full = strategy.param_transfer == "full"
@@ -130,7 +131,7 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
     if strategy.activation_offload == "cpu" and every:
         inputs = math.ceil(len(blocks) / every) * micro_batch * seq_len * hidden * p
     incoming = sum(unit.shard_numel * (shards if strategy.grad_sync == "cpu_reduce" else 1) for unit in trained)
-    if strategy.grad_sync == "gpu_reduce" and strategy.checks_units_finite(trainer):
+    if strategy.grad_sync == "gpu_reduce" and schedule.check_units_finite:
         # the device's verdict on each gradient part travels after each of its ring-buffer pieces
         capacity = piece_capacity(units, incoming_full=False, ranks=shards)
         incoming += FLAG_ELEMENTS * sum(pieces(part, capacity) for unit in units for part in unit.part_sizes())
@@ -195,16 +196,17 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
     reads the gradient once more for it.
     """
     strategy = trainer.strategy
+    schedule = strategy.plan(trainer, compute).schedule
     reduce = reduce_dtype.itemsize
     per = adamw_state_bytes(getattr(torch, strategy.optimizer_state_dtype)) + compute.itemsize
-    if strategy.keeps_gradients(trainer):
+    if schedule.keep_gradients:
         per += trainer.accumulate_grad_batches * (reduce + 8) + 4
     else:
         per += reduce
-    if strategy.delayed_update:  # the staging row rewritten from the master after the unit's last load of the step
+    if schedule.delay:  # the staging row rewritten from the master after the unit's last load of the step
         per += 4
-    if strategy.checks_units_finite(trainer) and strategy.grad_sync == "cpu_reduce":
-        per += 4 if strategy.keeps_gradients(trainer) else reduce
+    if schedule.check_units_finite and strategy.grad_sync == "cpu_reduce":
+        per += 4 if schedule.keep_gradients else reduce
     return parameters * per
 
 
@@ -235,7 +237,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
               "loss": memory.logits}
     tokens = trainer.accumulate_grad_batches * data.batch_size * data.seq_len  # per process per optimizer step
     if candidate.strategy == "slide_fsdp":
-        units = strategy.unit_sizes(module, data, trainer.num_devices)
+        units = strategy.model_units(module, data, trainer.num_devices)
         host = strategy.host_buffer_estimate(trainer, module, data, compute=compute, units=units)
         traffic = slide_traffic(trainer, units, data.batch_size, data.seq_len, config.hidden_size, compute, reduce)
         update_bytes = cpu_update_bytes(trainer, model.trained, compute, reduce)
@@ -314,7 +316,6 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
 def slide_step(trainer: RunTrainer, units: list[UnitSize], model_flops: float, flops: float, rate: float,
                times: dict[str, float], hardware: Hardware, compute: torch.dtype):
     """SlideFSDP's step as ``offload.step_time`` schedules it, at ``rate`` FLOP/s on the device."""
-    strategy = trainer.strategy
     forward = model_flops / 3 / rate
     trained = [unit.trained() for unit in units]
     total = sum(unit.shard_numel for unit in trained) or 1
@@ -322,14 +323,9 @@ def slide_step(trainer: RunTrainer, units: list[UnitSize], model_flops: float, f
     # the last gradients of a backward: the first block's and the root's last part (the embeddings)
     last = trained[0].shard_numel + (max(root.part_sizes()) if root.part_sizes() else 0)
     refresh = last * trainer.num_devices * (4 + compute.itemsize) / (hardware.host_memory_gbps * 1e9)
-    if strategy.delayed_update:
-        schedule = "delayed"
-    elif strategy.keeps_gradients(trainer) and strategy.defers_updates(trainer):
-        schedule = "after"
-    else:
-        schedule = "overlapped"
+    schedule = trainer.strategy.plan(trainer, compute).schedule
     return slide_step_time(forward, flops / rate - forward, times["h2d_s"], times["d2h_s"], times["cpu_update_s"],
-                           last / total, refresh, len(units) - 1, trainer.accumulate_grad_batches, schedule)
+                           last / total, refresh, len(units) - 1, trainer.accumulate_grad_batches, schedule.name)
 
 
 def _gib(value: float) -> str:

@@ -63,7 +63,8 @@ from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.strategy import model_state_bytes, resolve_dtype
 from lit_fsdp.commands.tune.hardware import Hardware
 from lit_fsdp.commands.tune.space import Candidate, RunShape
-from offload.host_memory import HostSetup, UnitSize, host_buffers
+from offload.host_memory import UnitSize
+from offload.plan import SlidePlan, SlideRun
 
 GIB = 2**30
 REDUCE_BYTES = 4
@@ -220,12 +221,16 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
         processes = run.processes_per_node
         units = ([UnitSize.of(model.block_parameters, processes, model.block_trained)] * model.layers
                  + [UnitSize.of(root, processes, model.root_trained)])
-        # as SlideFSDPStrategy.keeps_gradients: a delayed update reads the step's gradients from the ring instead
-        keep = run.batch_per_process > candidate.micro_batch or (run.clipping and not candidate.delayed_update)
-        setup = HostSetup.of_knobs(dtype, reduce, getattr(torch, run.optimizer_state_dtype), processes,
-                                   candidate.param_transfer, candidate.grad_sync, candidate.window, keep,
-                                   offloaded_activations, delayed_update=candidate.delayed_update)
-        host = sum(host_buffers(units, setup).values())
+        plan = SlidePlan(
+            window=candidate.window, param_transfer=candidate.param_transfer, grad_sync=candidate.grad_sync,
+            activation_offload=candidate.activation_offload, activation_checkpointing=candidate.activation_checkpointing,
+            optimizer_state_dtype=getattr(torch, run.optimizer_state_dtype), delayed_update=candidate.delayed_update,
+            gradient_slots=None, on_nonfinite=run.on_nonfinite,
+            run=SlideRun(processes, run.nodes, -(-run.batch_per_process // candidate.micro_batch), run.clipping,
+                         run.accelerator),
+            compute_dtype=dtype, reduce_dtype=reduce,
+        )
+        host = sum(plan.host_buffers(units, offloaded_activations).values())
     else:
         states = model_state_bytes(model.parameters, model.trained) // shard_group(candidate, run.world_size)
         unit = candidate.blocks_per_group * model.block_parameters

@@ -1,0 +1,43 @@
+"""When SlideFSDP's CPU updates run in a step (``UpdateSchedule``), decided once from the knobs and the trainer by
+``offload.plan.SlidePlan``; the engine and the gradient pipeline take it when they are built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class UpdateSchedule:
+    """When each unit's CPU update runs, and what it keeps and checks for that."""
+
+    delay: bool = False  # a step's updates run during the next step (ZeRO-Offload's one-step delayed update)
+    defer: bool = False  # updates wait for the end of the backward: the global norm (clipping, skip_step) or the next step
+    keep_gradients: bool = False  # each unit's gradient is added into an fp32 buffer kept on the host until its update
+    norms_on_arrival: bool = False  # the step's gradient norm is summed piece by piece as the pieces reach the host
+    check_units_finite: bool = False  # each unit's gradient is checked before its own update (none deferred)
+
+    @classmethod
+    def of(cls, delayed_update: bool, clipping: bool, accumulation: int, on_nonfinite: str) -> "UpdateSchedule":
+        """Clipping and skipping non-finite steps need every gradient before the first update of a step, so the
+        updates are deferred; a delayed update defers them to the next step and keeps each gradient in its ring
+        buffer (the reduce dtype), learning the norm as the pieces arrive, where accumulation and a deferred
+        update that is not delayed keep an fp32 copy instead. Deferred updates are guarded by the global norm,
+        ``on_nonfinite: warn`` by nothing."""
+        defer = clipping or on_nonfinite == "skip_step" or delayed_update
+        return cls(
+            delay=delayed_update,
+            defer=defer,
+            keep_gradients=accumulation > 1 or (defer and not delayed_update),
+            norms_on_arrival=delayed_update and (clipping or on_nonfinite != "warn"),
+            check_units_finite=on_nonfinite != "warn" and not defer,
+        )
+
+    @property
+    def overlaps(self) -> bool:
+        """The CPU updates run during a backward (this step's, or the next one's when delayed), not after it."""
+        return self.delay or not self.defer
+
+    @property
+    def name(self) -> str:
+        """``delayed``, ``after`` (the backward: deferred, not delayed) or ``overlapped`` (``offload.step_time``)."""
+        return "delayed" if self.delay else "after" if self.defer else "overlapped"
