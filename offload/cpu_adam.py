@@ -10,15 +10,15 @@ hyperparameters are copied from the held optimizer, so the LR scheduler drives t
 Moments are allocated at setup, so host memory is claimed before training starts.
 
 The update is one pass over memory per element (``adamw_step_in_chunks``): the native kernel
-(``offload/adamw_kernel.c``, built at first use by ``offload.adamw_kernel``) reads the gradient as it arrived,
-reads and writes the float32 master and the moments in place (bfloat16 moments rounded to nearest-even on the way
-back) and writes the new weight to the staging copy the device loads from, on ``torch.get_num_threads()`` threads
-with the GIL released. The host memory touched per parameter is AdamW's own (weight and moments read and written,
-the gradient read) plus the staging copy's write: 28 B/param with float32 moments and a bfloat16 gradient, 20 with
-bfloat16 moments. Where the kernel cannot be built (no C compiler: one warning says so) or does not take the
-tensors, torch's fused AdamW kernel runs per cache-sized chunk on float32 copies of what is not float32, the
-chunk's new weights then copied to the staging rows while in cache: the same arithmetic (the same bits for whole
-pieces), slower.
+(``offload/adamw_kernel.c``, built once per host and loaded before training by ``offload.adamw_kernel.prepare``; at
+the first update where nothing called it) reads the gradient as it arrived, reads and writes the float32 master and
+the moments in place (bfloat16 moments rounded to nearest-even on the way back) and writes the new weight to the
+staging copy the device loads from, on ``torch.get_num_threads()`` threads with the GIL released. The host memory
+touched per parameter is AdamW's own (weight and moments read and written, the gradient read) plus the staging
+copy's write: 28 B/param with float32 moments and a bfloat16 gradient, 20 with bfloat16 moments. Where the kernel
+cannot be built (no C compiler: each rank warns so) or does not take the tensors, torch's fused AdamW kernel runs
+per cache-sized chunk on float32 copies of what is not float32, the chunk's new weights then copied to the staging
+rows while in cache: the same arithmetic (the same bits for whole pieces), slower.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from lit_fsdp.lightning_compat import is_sharded_checkpoint as _is_sharded_check
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import OnNonFinite
 from lit_fsdp.strategy import CausalLMStrategy, DType
+from offload import adamw_kernel
 from offload.compile import compile_forwards
 from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, OffloadStep, SlideEngine
@@ -246,6 +247,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
         rank_zero_info(f"SlideFSDP CPU update: {self.update_threads_reason}")
         if threads is not None:
             torch.set_num_threads(threads)
+        # the native update kernel, built once per host (the node's ranks share one build) and loaded before training
+        adamw_kernel.prepare(rank=self.global_rank)
         shape = self.mesh_shape(self.world_size, self.num_nodes)
         if self.root_device.type == "cpu":
             self.cpu_mesh = self.device_mesh

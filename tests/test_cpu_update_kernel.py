@@ -1,20 +1,31 @@
-"""SlideFSDP's native CPU AdamW (offload/adamw_kernel.c): torch's AdamW arithmetic in one pass, its fallback, its GIL."""
+"""SlideFSDP's native CPU AdamW (offload/adamw_kernel.c): torch's AdamW arithmetic in one pass, its fallback, its GIL,
+its one build per host and the cache folder it loads from."""
 
 from __future__ import annotations
 
 import ctypes
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from compress.layout import UnitLayout
+from lit_fsdp.errors import OneLineError
 from offload import adamw_kernel, cpu_adam
 
 LR, BETAS = 1e-2, (0.9, 0.95)
 
 needs_compiler = pytest.mark.skipif(adamw_kernel.compiler() is None, reason="no C compiler to build the kernel with")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -212,3 +223,137 @@ def test_the_native_update_releases_the_gil():
         if seen_inside.is_set():
             break
     assert seen_inside.is_set(), "no Python thread ran during three native updates: the call holds the GIL"
+
+
+def _counting_compiler(folder: Path, real: str | None) -> tuple[Path, Path]:
+    """A compiler script that appends a line to its log file for every build (a call with ``-o``) and then builds with
+    ``real`` after a second (so that builds racing to start overlap), or fails where ``real`` is None: its path, the log."""
+    log, script = folder / "builds.log", folder / "counting-cc"
+    build = f'sleep 1; exec {real} "$@"' if real else "exit 1"
+    script.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) echo build >> {log}; {build};; esac\necho counting-cc 1.0\n')
+    script.chmod(0o755)
+    return script, log
+
+
+_PREPARE_ON_GO = """
+import sys, time
+from pathlib import Path
+from offload import adamw_kernel
+Path(sys.argv[1]).touch()
+while not Path(sys.argv[2]).exists():
+    time.sleep(0.01)
+print(adamw_kernel.prepare(rank=int(sys.argv[3])), adamw_kernel.library() is not None)
+"""
+
+
+@needs_compiler
+def test_two_processes_preparing_at_once_into_an_empty_cache_build_once_and_both_load_that_build(tmp_path):
+    """Two processes (two ranks of a host) call prepare together on an empty cache: one compiles while the other waits
+    on the lock file, then both load the one library; the lock file and the partial build are gone."""
+    cache = tmp_path / "kernels"
+    script, log = _counting_compiler(tmp_path, adamw_kernel.compiler())
+    env = {**os.environ, "LIT_FSDP_CC": str(script), "LIT_FSDP_KERNEL_CACHE": str(cache)}
+    go, ready = tmp_path / "go", [tmp_path / f"ready{rank}" for rank in range(2)]
+    ranks = [subprocess.Popen([sys.executable, "-c", _PREPARE_ON_GO, str(ready[rank]), str(go), str(rank)], env=env,
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        while not all(path.exists() for path in ready):  # both imported torch: start them together
+            assert time.monotonic() < deadline and all(rank.poll() is None for rank in ranks), "a process did not start"
+            time.sleep(0.05)
+        go.touch()
+        outputs = [rank.communicate(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], [err for _, err in outputs]
+    assert [out.strip() for out, _ in outputs] == ["None True", "None True"], [err for _, err in outputs]
+    assert log.read_text().splitlines() == ["build"], "each process compiled the kernel"
+    assert [path.name for path in cache.iterdir()] == [adamw_kernel.library_path(str(script)).name]
+
+
+@needs_compiler
+def test_after_prepare_the_first_update_builds_nothing_and_runs_the_native_kernel(tmp_path, monkeypatch, fresh_kernel):
+    monkeypatch.setenv("LIT_FSDP_KERNEL_CACHE", str(tmp_path))
+    assert adamw_kernel.prepare(rank=0) is None
+    monkeypatch.setattr(adamw_kernel, "build", lambda cc: pytest.fail("an update built the kernel"))
+    monkeypatch.setattr(cpu_adam, "_fused_step_in_chunks", lambda *args: pytest.fail("an update ran torch's kernel"))
+    adam, layout, _, _ = _adam(torch.float32)
+    adam.update(0, layout.local_views(torch.randn(layout.shard_numel)))
+    adam.close()
+
+
+def _refused(monkeypatch, cache: Path, script: Path) -> str:
+    """The error prepare raises with the kernel cache at ``cache`` and compiler ``script``: one line, raised again by the
+    next call (nothing was loaded in its place)."""
+    monkeypatch.setenv("LIT_FSDP_CC", str(script))
+    monkeypatch.setenv("LIT_FSDP_KERNEL_CACHE", str(cache))
+    for _ in range(2):
+        with pytest.raises(adamw_kernel.CacheFolderError) as refused:
+            adamw_kernel.prepare(rank=0)
+    message = str(refused.value)
+    assert isinstance(refused.value, OneLineError) and "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(("owner", "mode"), [pytest.param(65534, 0o700, marks=needs_root, id="another_users"),
+                                             pytest.param(None, 0o770, id="group_writable"),
+                                             pytest.param(None, 0o757, id="world_writable")])
+def test_a_cache_folder_not_this_users_alone_is_refused_in_one_line_before_anything_is_built(tmp_path, monkeypatch,
+                                                                                         fresh_kernel, owner, mode):
+    cache = tmp_path / "kernels"
+    cache.mkdir()
+    cache.chmod(mode)
+    if owner is not None:
+        os.chown(cache, owner, owner)
+    script, log = _counting_compiler(tmp_path, None)
+    message = _refused(monkeypatch, cache, script)
+    assert f"cache folder {cache} is " in message and f"mode {mode:o}" in message
+    assert "LIT_FSDP_KERNEL_CACHE" in message and f"chmod go-w {cache}" in message
+    assert (f"uid {owner}" in message) if owner is not None else ("writable by its group or others" in message)
+    assert not log.exists(), "the kernel was built in a folder others can write"
+
+
+@pytest.mark.parametrize(("owner", "mode"), [pytest.param(65534, 0o755, marks=needs_root, id="another_users"),
+                                             pytest.param(None, 0o775, id="group_writable")])
+def test_a_library_in_the_cache_not_this_users_alone_is_refused_before_it_is_loaded(tmp_path, monkeypatch,
+                                                                                     fresh_kernel, owner, mode):
+    """A file at the library's name that is not a library: loading it would fail (and fall back with a warning), so
+    the refusal shows the check came first."""
+    cache = tmp_path / "kernels"
+    cache.mkdir(mode=0o700)
+    script, _ = _counting_compiler(tmp_path, None)
+    monkeypatch.setenv("LIT_FSDP_KERNEL_CACHE", str(cache))
+    planted = adamw_kernel.library_path(str(script))
+    planted.write_text("not a library")
+    planted.chmod(mode)
+    if owner is not None:
+        os.chown(planted, owner, owner)
+    message = _refused(monkeypatch, cache, script)
+    assert f"library {planted} is " in message and f"rm {planted}" in message
+
+
+def test_a_rank_that_falls_back_to_torchs_kernel_says_so_itself_naming_its_rank(tmp_path, monkeypatch, fresh_kernel):
+    """Every rank warns of its own fallback (not rank 0 only): given its rank, or Lightning's rank of the process."""
+    monkeypatch.setenv("LIT_FSDP_CC", "/nonexistent/cc")
+    for given, lightnings in ((5, 0), (None, 3)):
+        adamw_kernel.reset()
+        monkeypatch.setattr(rank_zero_only, "rank", lightnings)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reason = adamw_kernel.prepare(rank=given)
+            assert adamw_kernel.prepare(rank=given) == reason  # once: later calls give the outcome again, silently
+        rank = lightnings if given is None else given
+        assert reason == "LIT_FSDP_CC=/nonexistent/cc is not an executable"
+        assert [str(w.message).split(":")[0] for w in caught] == [f"SlideFSDP rank {rank} on {socket.gethostname()}"]
+        assert adamw_kernel.library() is None
+
+
+def test_a_probe_matching_none_of_torchs_roundings_says_so_naming_its_rank(monkeypatch):
+    monkeypatch.setattr(adamw_kernel, "_call", lambda *args, **kwargs: None)  # a kernel that computes nothing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert adamw_kernel._probe_tail(None, rank=2) == (8, 0)
+    assert len(caught) == 1 and str(caught[0].message).startswith("SlideFSDP rank 2 on ")
+    assert "matched none of torch's fused kernel's roundings" in str(caught[0].message)
