@@ -27,7 +27,7 @@ from typing import Any
 
 from lit_fsdp.commands.launch import launch
 from lit_fsdp.presets import PRESETS
-from lit_fsdp.repeats import Spread, in_turns
+from repeats import Spread, in_turns  # scripts/repeats.py: this script's folder is first on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """What the tuner trusts its LLM adviser with, and what it trusts from it: no key unless the user names its variable,
 no plain http off this machine, no key forwarded on a redirect, and an answer's knobs checked by name and type
-before anything is built from them (issue 27, items 3 and 7)."""
+before anything is built from them."""
 
 from __future__ import annotations
 

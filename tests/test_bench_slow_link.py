@@ -1,4 +1,5 @@
-"""scripts/bench_slow_link.py: the root check, the teardown, and how the two ranks are launched.
+"""scripts/bench_slow_link.py and its modules (slow_link, slow_link_runs, slow_link_table): the root check, the
+teardown, how the two ranks are launched, and the table.
 
 Tests that create real network namespaces run only as root with LIT_FSDP_NETNS_TESTS=1; the others
 put fake ``ip`` and ``tc`` commands first on PATH, which log their arguments.
@@ -6,7 +7,6 @@ put fake ``ip`` and ``tc`` commands first on PATH, which log their arguments.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -17,13 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from lit_fsdp.repeats import in_turns
 from tests.helpers import REPO, run_cli
 
 SCRIPT = REPO / "scripts" / "bench_slow_link.py"
-_spec = importlib.util.spec_from_file_location("bench_slow_link", SCRIPT)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+sys.path.insert(0, str(SCRIPT.parent))  # the scripts import each other, as when run from their folder
+import bench_slow_link as bench  # noqa: E402
+import slow_link  # noqa: E402
+import slow_link_runs  # noqa: E402
+import slow_link_table  # noqa: E402
+from repeats import in_turns  # noqa: E402
 
 needs_netns = pytest.mark.skipif(
     not (os.geteuid() == 0 and os.environ.get("LIT_FSDP_NETNS_TESTS") == "1"),
@@ -71,8 +73,8 @@ def test_without_root_the_script_exits_with_one_line_naming_what_it_tried(tmp_pa
 def test_a_leftover_namespace_is_named_and_not_deleted(tmp_path, monkeypatch):
     log = fake_iproute2(tmp_path, fail_on="netns add", error='Cannot create namespace file: File exists')
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    with pytest.raises(bench.LinkError, match="lit_fsdp-t0-0 already exists .* `ip netns del lit_fsdp-t0-0`"):
-        with bench.SlowLink("1gbit", tag="t0"):
+    with pytest.raises(slow_link.LinkError, match="lit_fsdp-t0-0 already exists .* `ip netns del lit_fsdp-t0-0`"):
+        with slow_link.SlowLink("1gbit", tag="t0"):
             pass
     assert calls(log) == ["ip netns add lit_fsdp-t0-0"]
 
@@ -80,8 +82,8 @@ def test_a_leftover_namespace_is_named_and_not_deleted(tmp_path, monkeypatch):
 def test_a_failed_setup_removes_the_namespaces_it_had_created(tmp_path, monkeypatch):
     log = fake_iproute2(tmp_path, fail_on="link add")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    with pytest.raises(bench.LinkError, match="ip link add lfat1 type veth"):
-        with bench.SlowLink("1gbit", tag="t1"):
+    with pytest.raises(slow_link.LinkError, match="ip link add lfat1 type veth"):
+        with slow_link.SlowLink("1gbit", tag="t1"):
             pass
     assert calls(log) == [
         "ip netns add lit_fsdp-t1-0", "ip netns add lit_fsdp-t1-1", "ip link add lfat1 type veth peer name lfbt1",
@@ -92,7 +94,7 @@ def test_a_failed_setup_removes_the_namespaces_it_had_created(tmp_path, monkeypa
 def test_teardown_runs_once_when_the_body_raises_and_shapes_both_ends(tmp_path, monkeypatch):
     log = fake_iproute2(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    link = bench.SlowLink("10gbit", tag="t2")
+    link = slow_link.SlowLink("10gbit", tag="t2")
     with pytest.raises(RuntimeError, match="body"):
         with link:
             raise RuntimeError("body")
@@ -110,10 +112,10 @@ def test_teardown_runs_once_when_the_body_raises_and_shapes_both_ends(tmp_path, 
 def launches(monkeypatch, cores: list[int], *extra: str) -> list[tuple[list[str], dict[str, str]]]:
     for inherited in ("RANK", "WORLD_SIZE", "SLURM_NTASKS"):  # e.g. a shell inside a cluster job
         monkeypatch.setenv(inherited, "8")
-    link = bench.SlowLink("1gbit", tag="t3")
+    link = slow_link.SlowLink("1gbit", tag="t3")
     args = bench.build_parser().parse_args(["--methods", "int8", *extra])
-    fit_args = bench.fit_arguments(args, "int8", Path("/tmp/callbacks.json"), Path("/tmp/run"))
-    return [bench.rank_launch(link, node, fit_args, 29501, cores) for node in (0, 1)]
+    fit_args = slow_link_runs.fit_arguments(args, "int8", Path("/tmp/callbacks.json"), Path("/tmp/run"))
+    return [slow_link_runs.rank_launch(link, node, fit_args, 29501, cores) for node in (0, 1)]
 
 
 def test_each_rank_runs_in_its_namespace_with_lightnings_multi_node_environment(monkeypatch):
@@ -138,8 +140,8 @@ def test_ranks_get_disjoint_cores_and_as_many_threads(monkeypatch):
 
 def test_the_cli_accepts_the_rank_arguments(tmp_path):
     args = bench.build_parser().parse_args(["--methods", "topk"])
-    callbacks = bench.write_callbacks(tmp_path / "callbacks.json", args.warmup, args.steps, profiler=True)
-    fit_args = bench.fit_arguments(args, "topk", callbacks, tmp_path / "run")
+    callbacks = slow_link_runs.write_callbacks(tmp_path / "callbacks.json", args.warmup, args.steps, profiler=True)
+    fit_args = slow_link_runs.fit_arguments(args, "topk", callbacks, tmp_path / "run")
     printed = run_cli(*fit_args[2:], "--print_config", cwd=tmp_path).stdout
     assert "sharding: NO_SHARD" in printed and "num_nodes: 2" in printed and "method: topk" in printed
     assert "warmup_steps: 5" in printed and "class_path: callbacks.CommProfiler" in printed
@@ -150,7 +152,8 @@ def test_when_one_rank_fails_the_other_is_killed_at_once(tmp_path):
     sleeper = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"]
     logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
     start = time.monotonic()
-    failure = bench.run_ranks([(["sh", "-c", "sleep 1; echo boom; exit 3"], dict(os.environ)), (sleeper, dict(os.environ))], logs, 60)
+    failing = (["sh", "-c", "sleep 1; echo boom; exit 3"], dict(os.environ))
+    failure = slow_link_runs.run_ranks([failing, (sleeper, dict(os.environ))], logs, 60)
     assert failure == "rank0 exited 3: boom"
     assert time.monotonic() - start < 30
     with pytest.raises(ProcessLookupError):
@@ -159,11 +162,12 @@ def test_when_one_rank_fails_the_other_is_killed_at_once(tmp_path):
 
 def test_a_run_past_its_timeout_is_killed_and_reported(tmp_path):
     sleeper = (["sleep", "120"], dict(os.environ))
-    assert bench.run_ranks([sleeper, sleeper], [tmp_path / "rank0.log", tmp_path / "rank1.log"], 1) == "timed out after 1 s"
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    assert slow_link_runs.run_ranks([sleeper, sleeper], logs, 1) == "timed out after 1 s"
 
 
 def test_the_profiler_records_exactly_the_timed_steps(tmp_path):
-    written = bench.write_callbacks(tmp_path / "callbacks.json", warmup=5, steps=14, profiler=True)
+    written = slow_link_runs.write_callbacks(tmp_path / "callbacks.json", warmup=5, steps=14, profiler=True)
     callbacks = {c["class_path"]: c.get("init_args") for c in json.loads(written.read_text())["trainer"]["callbacks"]}
     assert callbacks["callbacks.Throughput"] == {"warmup_steps": 5}  # steps 5..13 are timed
     # steps 0-3 skipped, step 4 the profiler's own start-up, steps 5..13 recorded
@@ -192,7 +196,7 @@ def test_the_table_gives_medians_ranges_and_speedup_from_the_medians():
         run("int8", 2, 450.0, comm_time_ms_total=250.0, comm_ratio=0.50, compression_ratio=3.98),
         {"rate": "10gbit", "method": "none", "repeat": 0, "step_time_ms_p50": 500.0},
     ]
-    header, _, *rows = bench.table(records, "1gbit").splitlines()
+    header, _, *rows = slow_link_table.table(records, "1gbit").splitlines()
     assert header.count("|") == 9
     assert rows[0] == "| none | 3 of 3 | 1000 (900-1200) | 1.00x | 650 (600-700) | 66% (60%-70%) | 1.0x | n/a |"
     # 1000 / 450 from the medians; per repeat 1000/400, 900/500, 1200/450
@@ -203,12 +207,13 @@ def test_the_table_gives_medians_ranges_and_speedup_from_the_medians():
 
 def test_a_single_repeat_prints_plain_figures_and_a_method_without_none_has_no_speedup():
     records = [run("int8", 0, 400.0, comm_time_ms_total=300.0, comm_ratio=0.5, compression_ratio=4.0)]
-    assert bench.table(records, "1gbit").splitlines()[2] == "| int8 | 1 of 1 | 400 | n/a | 300 | 50% | 4.0x | n/a |"
+    row = slow_link_table.table(records, "1gbit").splitlines()[2]
+    assert row == "| int8 | 1 of 1 | 400 | n/a | 300 | 50% | 4.0x | n/a |"
 
 
 @needs_netns
 def test_real_namespaces_are_removed_even_when_the_body_raises():
-    link = bench.SlowLink("100mbit", tag=f"{os.getpid()}t")
+    link = slow_link.SlowLink("100mbit", tag=f"{os.getpid()}t")
     with pytest.raises(RuntimeError):
         with link:
             assert set(link.namespaces) <= namespaces()
@@ -221,9 +226,8 @@ def test_real_namespaces_are_removed_even_when_the_body_raises():
 def test_sigterm_removes_the_namespaces():
     tag = f"{os.getpid()}s"
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import importlib.util, time; s = importlib.util.spec_from_file_location('b', {str(SCRIPT)!r}); "
-         f"b = importlib.util.module_from_spec(s); s.loader.exec_module(b)\nwith b.SlowLink('1gbit', tag={tag!r}):\n"
-         "    print('up', flush=True); time.sleep(120)"],
+        [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(SCRIPT.parent)!r}); import slow_link\n"
+         f"with slow_link.SlowLink('1gbit', tag={tag!r}):\n    print('up', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True,
     )
     assert holder.stdout.readline().strip() == "up"
@@ -235,8 +239,8 @@ def test_sigterm_removes_the_namespaces():
 
 @needs_netns
 def test_the_link_runs_at_its_rate():
-    with bench.SlowLink("200mbit", tag=f"{os.getpid()}r") as link:
-        measured = bench.measure_rate(link, seconds=0.5)
+    with slow_link.SlowLink("200mbit", tag=f"{os.getpid()}r") as link:
+        measured = slow_link.measure_rate(link, seconds=0.5)
     assert 0.15 < measured["measured_gbit_s"] < 0.21
 
 
@@ -244,6 +248,6 @@ def test_a_semi_synchronous_row_is_timed_by_its_mean_step_and_shows_the_hidden_s
     records = [run("none", 0, 900.0, step_time_ms_mean=1000.0, compression_ratio=1.0),
                run("diloco_streaming", 0, 100.0, step_time_ms_mean=125.0, compression_ratio=250.0, outer_syncs=6,
                    outer_hidden_share=0.9)]
-    rows = bench.table(records, "1gbit", "mean").splitlines()
+    rows = slow_link_table.table(records, "1gbit", "mean").splitlines()
     assert rows[0].startswith("| method | runs | step ms mean |")
     assert rows[3] == "| diloco_streaming | 1 of 1 | 125 | 8.00x | n/a | n/a | 250.0x | 90% |"

@@ -1,4 +1,4 @@
-"""generate on a model fine-tuned on chat (issue 37): a prompt is the user's turn rendered with the training's template
+"""generate on a model fine-tuned on chat: a prompt is the user's turn rendered with the training's template
 and the assistant's header, without the document separator; an interactive session keeps its turns; ``--raw`` sends
 the text as before. A short LoRA fine-tune of configs/sft_lora.yaml on 2 processes gives the checkpoint."""
 

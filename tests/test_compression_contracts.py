@@ -1,4 +1,4 @@
-"""Issue 28: what a compression method needs is declared in its ``METHODS`` entry, not probed by the hook.
+"""What a compression method needs is declared in its ``METHODS`` entry, not probed by the hook.
 
 Each entry names its communicator (whose hooks build from exactly what ``GradientCompression.register`` passes),
 ``compress/hook.py`` tells methods apart by no compressor class, and each method that keeps state says what it is

@@ -86,11 +86,11 @@ def test_the_shipped_8b_offload_config_on_one_h100_hides_its_delayed_update_and_
 
 
 def test_the_step_model_predicts_the_recorded_h100_8b_step_within_15_percent_from_the_rates_it_recorded(tmp_path, capsys):
-    """The first H100 window's 8B run (docs/gpu_runs/2026-11-26-h100/summary-2.json, eight_b_fp32: the settings before
-    this config's) gives the rates: the device's backward (recompute included) against its FLOPs, the CPU update's bytes
-    against its time, the copies' rate. With them in a hardware file, ``estimate`` predicts that run's median step
-    (the first step among four: the median is the steady one) within 15%: the backward waits for the update, which
-    the forward does not overlap."""
+    """The H100's recorded 8B run (``eight_b_fp32`` in docs/gpu_runs/2026-11-26-h100/summary-2.json: this config with
+    ``EIGHT_B_BEFORE``'s settings) gives the rates: the device's backward (recompute included) against its FLOPs, the
+    CPU update's bytes against its time, the copies' rate. With them in a hardware file, ``estimate`` predicts that
+    run's median step (the first step among four: the median is the steady one) within 15%: the backward waits for the
+    update, which the forward does not overlap."""
     measured = gpu_run_result("2026-11-26-h100", "eight_b_fp32")
     before = _figures(capsys, *EIGHT_B_BEFORE)
     backward_flops = before["flops"] - before["model_flops"] / 3
@@ -119,9 +119,9 @@ EAGER = ["--trainer.strategy.init_args.compile_blocks", "false"]
 ])
 def test_the_probed_h100_predicts_every_recorded_step_within_15_percent_and_mfu_over_the_datasheets_peak(
         capsys, run, configs, arguments):
-    """Window 4's probe (docs/gpu_runs/2026-11-27-h100/hardware.json: its matmul rate as the peak, the share of it a
-    model step reached as compute_efficiency, the CPU update's and the copies' rates) in ``estimate`` predicts each of
-    that window's measured steady steps (2 first steps left out) within 15%, SlideFSDP's and FSDP2's alike, and its
+    """The H100's recorded probe (docs/gpu_runs/2026-11-27-h100/hardware.json: its matmul rate as the peak, the share of
+    it a model step reached as compute_efficiency, the CPU update's and the copies' rates) in ``estimate`` predicts each
+    of the steady steps recorded beside it (2 first steps left out) within 15%, SlideFSDP's and FSDP2's alike, and its
     MFU is the measured one's (callbacks.Throughput's) at the predicted step: FLOPs per token over the datasheet's peak."""
     measured = gpu_run_result(WINDOW_4.name, run)
     main(["--config", str(QUICKSTART), *[a for c in configs for a in ("--config", str(c))],

@@ -1,4 +1,4 @@
-"""A resumed run equals the uninterrupted one bit for bit, for every method that keeps state (issue 27, item 2).
+"""A resumed run equals the uninterrupted one bit for bit, for every method that keeps state.
 
 Per case, on 2 processes: the whole run (a checkpoint every few steps); a run resumed from each of its mid-run
 checkpoints; and a run that stops at ``max_steps`` (its ``last`` checkpoint written as training ends, as the
@@ -55,7 +55,7 @@ CASES = {
     "zero_one_adam": (configured("zero_one_adam", var_freeze_step=8, local_step_scaler=1, local_step_clipper=4), 15,
                       (6, 12)),
     "param_all_gather": ([KNOB, "{param_all_gather: int8}"], 6, (3,)),
-    # semi-synchronous (issue 30): every 4 steps; stopped at 6, between synchronisations, where each replica's
+    # semi-synchronous: every 4 steps; stopped at 6, between synchronisations, where each replica's
     # weights and AdamW state are its own. Top-k with error feedback keeps residuals. Streaming: fragment 1 was sent
     # at step 6 and is applied at 7, so the checkpoint holds its average in flight.
     "diloco": (DILOCO + ["--trainer.strategy.init_args.outer", "{codec: {method: topk, ratio: 0.1, error_feedback: true}}"],

@@ -247,7 +247,7 @@ def small_disk(tmp_path):
 
 def test_full_and_read_only_disks_fail_in_one_line_and_keep_the_last_checkpoint(tmp_path, small_disk):
     full, filling, readonly = small_disk
-    # Too small for the checkpoints at launch: refused before any worker starts (issue 26)
+    # Too small for the checkpoints at launch: refused before any worker starts
     result = run_cli(*fit_arguments(tmp_path / "run", steps=STEPS, callbacks=[every(2, full, save_last=False)]),
                      cwd=tmp_path, check=False)
     assert result.returncode == 2 and len(errors(result)) == 1, result.stderr[-3000:]

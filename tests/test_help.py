@@ -1,4 +1,4 @@
-"""``--help`` tells every command and each command's own options, in plain text (issue 27, item 5)."""
+"""``--help`` tells every command and each command's own options, in plain text."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Mistakes a new user makes before training end in one line naming the value and the fix (issue 27, items 3 and 4)."""
+"""Mistakes a new user makes before training end in one line naming the value and the fix."""
 
 from __future__ import annotations
 

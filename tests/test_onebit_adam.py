@@ -1,4 +1,4 @@
-"""1-bit Adam on FSDP2 (issue 20): the optimizer's two phases, the hooks' local momenta, 1 and 2 processes.
+"""1-bit Adam on FSDP2: the optimizer's two phases, the hooks' local momenta, 1 and 2 processes.
 
 Real runs of the CLI are in tests/test_onebit_adam_runs.py."""
 

@@ -1,4 +1,4 @@
-"""1-bit Adam through the CLI (issue 20): the warm-up is FSDP2's own path, resume, the other shardings."""
+"""1-bit Adam through the CLI: the warm-up is FSDP2's own path, resume, the other shardings."""
 
 from __future__ import annotations
 

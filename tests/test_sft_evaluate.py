@@ -1,4 +1,4 @@
-"""evaluate on chat samples (issue 29): the format is told by the first record, the loss is over the answer tokens only,
+"""evaluate on chat samples: the format is told by the first record, the loss is over the answer tokens only,
 exact match compares greedy answers with the references, and the result is recorded in the run folder."""
 
 from __future__ import annotations

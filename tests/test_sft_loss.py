@@ -1,5 +1,5 @@
 """Fine-tuning's loss: every target token weighs the same in a step, however the samples are packed, padded, split into
-micro-batches or spread over ranks; packed samples never attend to each other (issue 29)."""
+micro-batches or spread over ranks; packed samples never attend to each other."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fine-tuning runs end to end (issue 29): the shipped SFT configs train on 2 CPU processes from a pretrained folder on
+"""Fine-tuning runs end to end: the shipped SFT configs train on 2 CPU processes from a pretrained folder on
 the shipped sample data, and a step's gradients do not depend on how its samples are split over processes and
 micro-batches."""
 

@@ -123,16 +123,18 @@ def test_an_exposed_cpu_update_moves_to_the_delayed_update_then_a_bigger_micro_b
 
 SHIPPED = REPO / "configs" / "llama_8b_offload.yaml"
 CONFIGS = ["--config", str(REPO / "configs" / "quickstart.yaml"), "--config", str(SHIPPED)]
-# The run the shipped config trains (32 x 2048 tokens a step per process), from the settings measured before issue 35:
-# micro-batches of 8 accumulated 4 times, the CPU update after the clipped backward, eager blocks.
+# The search's starting point: the run the shipped config trains (32 x 2048 tokens a step per process) with the knobs the
+# tuner should find turned off: micro-batches of 8 accumulated 4 times, the CPU update after the clipped backward, eager
+# blocks.
 BEFORE = [*CONFIGS, "--data.init_args.batch_size", "8", "--trainer.accumulate_grad_batches", "4",
           "--trainer.strategy.init_args.delayed_update", "false", "--trainer.strategy.init_args.compile_blocks", "false"]
 CONTEXT_GB = 2.0  # the CUDA context and allocator caches a real trial's peak would add to the estimate
 
 
 def _compiled_step_share() -> float:
-    """The 8B's steady step with compiled blocks over its eager one, as measured on the H100 (window 4's records:
-    ``eight_b_compiled`` and ``eight_b``, the shipped config otherwise): what ``estimate`` does not model."""
+    """The 8B's steady step with compiled blocks over its eager one on the H100 (the records ``eight_b_compiled`` and
+    ``eight_b`` in docs/gpu_runs/2026-11-27-h100/summary-*.json, the shipped config otherwise): what ``estimate`` does
+    not model."""
     p50 = {run: gpu_run_result("2026-11-27-h100", run)["step_time_ms_p50"] for run in ("eight_b", "eight_b_compiled")}
     return p50["eight_b_compiled"] / p50["eight_b"]
 

@@ -1,4 +1,4 @@
-"""0/1 Adam on FSDP2 (issue 20): its rounds, the owner's local steps and their correction at a sync, the bound.
+"""0/1 Adam on FSDP2: its rounds, the owner's local steps and their correction at a sync, the bound.
 
 Runs of the CLI (the first rounds, resume inside a local period) are at the end; the refusal of local rounds with
 replicas before launch is in tests/test_cli.py."""

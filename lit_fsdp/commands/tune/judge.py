@@ -32,7 +32,7 @@ EXPOSED_COMM_SHARE = 0.10
 IDLE_SHARE = 0.25
 HEADROOM = 0.50
 HIDDEN_UPDATE_SHARE = 0.50
-EXPOSED_UPDATE_SHARE = 0.10  # of the step, the device waiting for the CPU update (issue 35's target)
+EXPOSED_UPDATE_SHARE = 0.10  # of the step: a device waiting longer for the CPU update is gated by it
 
 
 @dataclass(frozen=True)
