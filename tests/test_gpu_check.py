@@ -1,5 +1,6 @@
 """``scripts/gpu_check.py`` in its CPU mode: every step's code path at tiny sizes, so the GPU check cannot rot between
-the windows in which a GPU machine is lent (issue 26)."""
+the windows in which a GPU machine is lent; and its table of steps (``scripts/gpu_steps.py``) as the one place a step
+is declared."""
 
 from __future__ import annotations
 
@@ -16,24 +17,27 @@ from tests.helpers import REPO
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import gpu_check  # noqa: E402
+import gpu_fit  # noqa: E402
+import gpu_report  # noqa: E402
+import gpu_steps  # noqa: E402
 
 
 def test_every_step_runs_in_cpu_mode_and_leaves_its_records(tmp_path):
     out = tmp_path / "out"
-    steps = ",".join(gpu_check.STEPS)
+    steps = ",".join(gpu_steps.STEPS)
     done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out), "--steps", steps,
                            "--budget", "1500"], cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     records = json.loads((out / "summary.json").read_text())
     failed = {r["step"]: r.get("error") for r in records if r["status"] != "ok"}
     assert done.returncode == 0 and not failed, (failed, (out / "check.log").read_text()[-3000:])
-    assert [r["step"] for r in records] == list(gpu_check.STEPS)
+    assert [r["step"] for r in records] == list(gpu_steps.STEPS)
     by_step = {r["step"]: r for r in records}
     assert by_step["parity"]["passed"] and by_step["resume_export"]["exact"]
     assert any("fp16" in line for line in by_step["codecs"]["table"])
     hardware = load(out / "hardware.json")  # the probe's rates in the --tune.hardware format
     assert hardware.accelerator == "cpu" and hardware.host_memory_gbps > 0
     # every training run has estimate's JSON beside its record, with the probe's hardware file, and out/ has them all
-    runs = dict(gpu_check._runs(records))
+    runs = dict(gpu_report.runs(records))
     estimates = json.loads((out / "estimate.json").read_text())
     assert sorted(estimates) == sorted(runs) and len(runs) >= 15
     for name, run in runs.items():
@@ -44,7 +48,7 @@ def test_every_step_runs_in_cpu_mode_and_leaves_its_records(tmp_path):
     measured = {name: run for name, run in runs.items() if "figures" in run}
     assert {"eight_b", "eight_b_control", "fsdp2_1b", "slide_fsdp", "onebit", "sft_full"} <= set(measured)
     for name, run in measured.items():
-        assert run["figures"]["warmup_steps_left_out"] == gpu_check.WARMUP_STEPS == 2, name
+        assert run["figures"]["warmup_steps_left_out"] == gpu_fit.WARMUP_STEPS == 2, name
         assert run["result"]["steps_measured"] == run["steps_done"] - 2 and not run["result"]["warmup_steps_included"]
     eight_b = measured["eight_b"]["figures"]  # the 8B as shipped (llama-tiny here): every figure its table shows
     assert measured["eight_b"]["steps_done"] == 5 and eight_b["tokens_per_s"] > 0 and eight_b["offload_cpu_update_ms"] > 0
@@ -54,7 +58,7 @@ def test_every_step_runs_in_cpu_mode_and_leaves_its_records(tmp_path):
     runs_table = lines.index("Training runs; every rate leaves out the first 2 optimizer steps of its run:")
     assert "left out" in lines[runs_table + 1] and lines[runs_table + 2].split()[:2] == ["eight_b", "2"]
     assert lines[-len(records) - 1].startswith("step")  # the steps' table comes last
-    assert done.stdout.startswith("versions: torch ")  # every version first (issue 26: the GPU machine's differ)
+    assert done.stdout.startswith("versions: torch ")  # every version first: the GPU machine's differ from CI's
 
 
 #: A step of the default plan whose time the records in docs/gpu_runs/ hold under an earlier name: the 8B as shipped
@@ -68,14 +72,41 @@ def test_the_default_plan_fits_one_device_call_and_gives_each_step_more_than_its
         for step in json.loads(summary.read_text()):
             if step["status"] == "ok":
                 recorded[step["step"]] = max(recorded.get(step["step"], 0.0), step["seconds"])
-    assert gpu_check.PLAN[0] == "probe" and {"eight_b", "fsdp2_1b"} <= set(gpu_check.PLAN)
-    assert gpu_check.PLAN_BUDGET == sum(gpu_check.STEPS[name][1] for name in gpu_check.PLAN) <= gpu_check.PLAN_SECONDS
-    assert gpu_check.PLAN_SECONDS <= 540  # nine minutes of a device call's ten
-    timed = {name: recorded[RECORDED_AS.get(name, name)] for name in gpu_check.PLAN if RECORDED_AS.get(name, name) in recorded}
-    assert set(gpu_check.PLAN) <= set(timed)
-    short = {name: (gpu_check.STEPS[name][1], seconds) for name, seconds in timed.items()
-             if gpu_check.STEPS[name][1] < 1.2 * seconds}
+    assert gpu_steps.PLAN[0] == "probe" and {"eight_b", "fsdp2_1b"} <= set(gpu_steps.PLAN)
+    assert gpu_steps.PLAN_BUDGET == sum(gpu_steps.STEPS[name].deadline for name in gpu_steps.PLAN) <= gpu_steps.PLAN_SECONDS
+    assert gpu_steps.PLAN_SECONDS <= 540  # nine minutes of a device call's ten
+    timed = {name: recorded[RECORDED_AS.get(name, name)] for name in gpu_steps.PLAN if RECORDED_AS.get(name, name) in recorded}
+    assert set(gpu_steps.PLAN) <= set(timed)
+    short = {name: (gpu_steps.STEPS[name].deadline, seconds) for name, seconds in timed.items()
+             if gpu_steps.STEPS[name].deadline < 1.2 * seconds}
     assert not short, f"deadlines under 1.2x the recorded time (deadline, recorded s): {short}"
+
+
+def test_a_step_is_one_row_of_the_table_and_a_fit_row_runs_its_configs_with_its_overlay(tmp_path, monkeypatch):
+    steps = gpu_steps.STEPS
+    assert all(name == step.name and step.deadline > 0 and step.records for name, step in steps.items())
+    assert all(step.requires is None or step.requires in steps for step in steps.values())
+    assert gpu_steps.PLAN == tuple(name for name in steps if steps[name].default) == tuple(steps)[:len(gpu_steps.PLAN)]
+    assert gpu_steps.PLAN_BUDGET == sum(steps[name].deadline for name in gpu_steps.PLAN)
+    assert f"(default: {', '.join(gpu_steps.PLAN)})" in " ".join(subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout.split())
+    # a new fit step is a row: its configs, then its overlay for the device, its CPU steps, its summary
+    calls = []
+
+    def fit(name, work, configs, record, steps, measure):
+        calls.append((name, configs, steps, measure))
+        return {"figures": {"tokens_per_s": 1.0}, "result": {"host_syncs_per_step": 0, "other": 1}}
+
+    monkeypatch.setattr(gpu_steps, "fit", fit)
+    row = gpu_steps.Step("new_fit", gpu_steps.Fit((gpu_steps.QUICKSTART,), gpu_steps.accelerator, steps=9,
+                                                  result_keys=("host_syncs",)), 60, records="a new run")
+    record = gpu_fit.Record(tmp_path / "new_fit.json")
+    row.run(record, "cpu", tmp_path)
+    [(name, configs, cpu_steps, measure)] = calls
+    assert (name, configs, cpu_steps) == ("new_fit", [gpu_steps.QUICKSTART, str(tmp_path / "new_fit_shape.yaml")], 1)
+    assert (tmp_path / "new_fit_shape.yaml").read_text() == "accelerator: cpu\ndevices: 1\n"
+    assert measure[-1] == {"class_path": "callbacks.Results"}
+    assert json.loads(record.path.read_text()) == {"summary": {"tokens_per_s": 1.0, "host_syncs_per_step": 0}}
 
 
 STRATEGY_KNOBS = ("window", "param_transfer", "grad_sync", "activation_offload", "param_dtype", "reduce_dtype",
@@ -86,19 +117,19 @@ def test_the_control_lays_the_old_8b_settings_over_the_shipped_config_and_as_shi
         tmp_path, monkeypatch):
     from lit_fsdp.commands.estimate import parse
 
-    monkeypatch.setenv(gpu_check.HOST_MEMORY_VARIABLE, "120")
+    monkeypatch.setenv(gpu_fit.HOST_MEMORY_VARIABLE, "120")
     hardware = load(REPO / "configs" / "hardware" / "h100_128g.json")
 
     def settings(name: str, overrides: dict | None) -> dict:
         configs = [REPO / "configs" / "quickstart.yaml", REPO / "configs" / "llama_8b_offload.yaml"]
-        configs += [gpu_check._yaml(tmp_path / f"{name}.yaml", overrides)] if overrides else []
+        configs += [gpu_fit.write_yaml(tmp_path / f"{name}.yaml", overrides)] if overrides else []
         trainer, _, data = parse([a for c in configs for a in ("--config", str(c))], hardware)
         knobs = {knob: str(getattr(trainer.strategy, knob)).removeprefix("torch.") for knob in STRATEGY_KNOBS}
         return {"batch_size": data.batch_size, "gradient_clip_val": trainer.gradient_clip_val, **knobs}
 
     shipped = settings("shipped", None)
-    as_shipped = settings("as_shipped", gpu_check._as_shipped("cuda"))
-    control = settings("control", gpu_check._merge(gpu_check._as_shipped("cuda"), gpu_check._nest(gpu_check.EIGHT_B_BEFORE)))
+    as_shipped = settings("as_shipped", gpu_steps.as_shipped("cuda"))
+    control = settings("control", gpu_steps.merge(gpu_steps.as_shipped("cuda"), gpu_steps.nest(gpu_steps.EIGHT_B_BEFORE)))
     assert as_shipped == {**shipped, "host_memory_gb": "120.0"}
     assert control == {**as_shipped, "batch_size": 8, "gradient_clip_val": None, "optimizer_state_dtype": "float32",
                        "delayed_update": "False", "gradient_slots": "2", "activation_offload": "cpu"}
@@ -108,19 +139,19 @@ def test_the_update_rate_is_estimates_bytes_over_the_measured_time_and_a_figure_
     result = {"tokens_per_s": 3254.0, "mfu": 0.159, "steps_measured": 3, "offload_cpu_update_ms": 4300.0}
     run = {"rc": 0, "losses": [], "warmup_steps_left_out": 2, "result": result,
            "estimate": {"cpu_update_bytes": 225e9, "step_time_s": None}}
-    figures = gpu_check._figures(run)
+    figures = gpu_fit.figures(run)
     assert figures["offload_cpu_update_gbps"] == pytest.approx(225 / 4.3)
     assert "estimate_step_time_s" not in figures and "offload_device_idle_ms" not in figures
-    assert "offload_cpu_update_gbps" not in gpu_check._figures({**run, "estimate": {"error": "ValueError: bad config"}})
-    header, row = gpu_check._runs_table([{"step": "eight_b", "eight_b": {**run, "figures": figures}}]).splitlines()
+    assert "offload_cpu_update_gbps" not in gpu_fit.figures({**run, "estimate": {"error": "ValueError: bad config"}})
+    header, row = gpu_report.runs_table([{"step": "eight_b", "eight_b": {**run, "figures": figures}}]).splitlines()
     assert header.split()[:4] == ["run", "left", "out", "measured"]
     assert row.split() == ["eight_b", "2", "3", "3,254", "15.9%", "4,300", "52.3"] + ["n/a"] * 6
 
 
 def test_a_step_past_its_deadline_is_reported_with_what_it_recorded_and_the_next_one_runs(tmp_path):
     with open(tmp_path / "check.log", "w") as log:
-        late = gpu_check._run_step("parity", 3.0, "cpu", tmp_path, log)
-        after = gpu_check._run_step("probe", 120.0, "cpu", tmp_path, log)
+        late = gpu_check.run_step("parity", 3.0, "cpu", tmp_path, log)
+        after = gpu_check.run_step("probe", 120.0, "cpu", tmp_path, log)
     assert late["status"] == "timeout" and late["rc"] is None and late["seconds"] < 10
     assert after["status"] == "ok"
 

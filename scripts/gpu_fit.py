@@ -1,0 +1,205 @@
+"""How the GPU check's steps run things and keep what they measured: a step's record, a command in the checkout, and
+one ``python -m lit_fsdp fit`` run measured in steady state with ``estimate``'s figures beside it.
+
+Every step runs in a process of its own (``scripts/gpu_check.py``'s runner); this module is what that process uses.
+Nothing here imports torch or the project at module level: a step's process puts the checkout on ``sys.path`` first
+(the GPU machine runs it uninstalled), and the runner's ``--help`` and argument errors need neither.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+#: Optimizer steps left out of every rate by default: allocation and first touch, and the delayed update's first step,
+#: which has no update to overlap.
+WARMUP_STEPS = 2
+WARMUP_VARIABLE = "GPU_CHECK_WARMUP_STEPS"  # --warmup-steps, handed to the steps' processes
+HOST_MEMORY_VARIABLE = "GPU_CHECK_HOST_MEMORY_GB"  # --host-memory-gb, handed to the steps' processes
+
+
+class Record(dict):
+    """A step's record, written to ``<work>/<step>.json`` after every update so a killed step still reports."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def put(self, **values: Any) -> None:
+        self.update(values)
+        self.path.write_text(json.dumps(self, indent=1, default=str))
+
+
+def meminfo() -> dict[str, float]:
+    """The host's memory from ``/proc/meminfo`` in GiB: total, available, free, and the huge page size."""
+    values = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemTotal", "MemAvailable", "MemFree", "Hugepagesize"):
+            values[f"{key}_gib"] = round(int(rest.split()[0]) * 1024 / GIB, 2)
+    return values
+
+
+def environment() -> dict[str, str]:
+    """The children's environment: the checkout importable (scripts run as files; the project need not be installed)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def command(name: str, argv: list[str], work: Path, record: Record) -> list[str]:
+    """Run ``argv`` in the checkout, its output streamed to a file (a command that hangs still shows where) and
+    then printed; the record gets its exit status and last line. Returns its output lines."""
+    print("$", " ".join(argv), flush=True)
+    output = work / f"{name}.txt"
+    with open(output, "w") as sink:
+        done = subprocess.run(argv, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=environment())
+    lines = [line for line in output.read_text().splitlines() if line.strip()]
+    print("\n".join(lines[-200:]), flush=True)
+    record.put(rc=done.returncode, result=lines[-1] if lines else "")
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: {Path(argv[1]).name if argv[1] != '-m' else argv[2]} exited {done.returncode}")
+    return lines
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def logged_losses(folder: Path) -> dict[int, float]:
+    """Per-step training losses from the CSV logger's file (flushed every step)."""
+    losses: dict[int, float] = {}
+    for metrics in sorted((folder / "csv").glob("*/metrics.csv")):
+        try:
+            rows = list(csv.DictReader(metrics.open()))
+        except (OSError, csv.Error):
+            continue
+        losses.update({int(row["step"]): float(row["train/loss"]) for row in rows if row.get("train/loss")})
+    return losses
+
+
+def warmup_steps() -> int:
+    return int(os.environ.get(WARMUP_VARIABLE, WARMUP_STEPS))
+
+
+def measuring(offload: bool, extra: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """A measured run's callbacks: ``extra`` first, then the rates with the first ``--warmup-steps`` left out
+    (Throughput, and OffloadStats under SlideFSDP), peaks, and the results record last (it reads the others)."""
+    warmup = {"init_args": {"warmup_steps": warmup_steps()}}
+    offload_stats = [{"class_path": "callbacks.OffloadStats", **warmup}] if offload else []
+    return [*extra, {"class_path": "callbacks.Throughput", **warmup}, {"class_path": "callbacks.Memory"}, *offload_stats,
+            {"class_path": "callbacks.Results"}]
+
+
+def write_estimate(name: str, work: Path, fit_args: list[str]) -> dict[str, Any]:
+    """``estimate``'s JSON for a run's configs, with the probe's ``hardware.json`` (this machine, detected, where
+    the probe has not run), written to ``<work>/<name>.estimate.json`` before the run starts; the figures the run is
+    compared with are returned (or the error: an estimate that fails does not stop the measurement)."""
+    from lit_fsdp.commands.estimate import estimate_step, parse
+    from lit_fsdp.commands.tune.hardware import load
+
+    hardware = work / "hardware.json"
+    try:
+        trainer, module, data = parse(fit_args, load(hardware) if hardware.is_file() else None)
+        figures = estimate_step(trainer, module, data, trainer.hardware)
+    except (Exception, SystemExit) as error:  # jsonargparse exits on a config it refuses
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+    path = work / f"{name}.estimate.json"
+    path.write_text(json.dumps(figures, indent=2) + "\n")  # what `python -m lit_fsdp estimate --json` prints
+    return {"file": path.name, "hardware": hardware.name if hardware.is_file() else "detected",
+            "step_time_s": figures["step_time_s"], "mfu": figures["mfu"],
+            "cpu_update_bytes": figures["cpu_update_bytes"],
+            "device_peak_gib": figures["device_peak_bytes"] / GIB, "host_gib": figures["host_bytes"] / GIB,
+            "fits": figures["fits"]}
+
+
+def fit(name: str, work: Path, configs: list[str], record: Record, steps: int, min_free_gib: float = 4.0,
+        checkpoints: bool = False, ckpt_path: str | None = None, folder: Path | None = None,
+        measure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One ``python -m lit_fsdp fit`` run in ``folder`` (default: work/name): CSV logger (W&B may be missing), no
+    validation, no checkpoints unless asked (a config then names its ModelCheckpoint), a loss per step. A run given
+    ``measure`` (its callbacks, from ``measuring``) runs ``--warmup-steps`` more steps than ``steps``, left out of
+    every rate. ``estimate``'s JSON for its configs is written first (``write_estimate``). While it runs, its progress
+    (set-up time, steps done, steps/s after the warm-up) goes into the record every few seconds, so a step cut by its
+    deadline still says how far it got; a watchdog ends it before the host runs out of memory (MemAvailable under
+    ``min_free_gib``). Returns its record: results.jsonl's line, per-step losses and its ``figures``."""
+    folder = folder or work / name
+    warmup = warmup_steps() if measure is not None else 0
+    trainer = {
+        "max_steps": warmup + steps, "limit_val_batches": 0, "enable_checkpointing": checkpoints,
+        "enable_progress_bar": False, "log_every_n_steps": 1, "default_root_dir": str(folder),
+        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                   "init_args": {"save_dir": str(folder), "name": "csv", "flush_logs_every_n_steps": 1}},
+        **({"callbacks": measure} if measure is not None else {}),
+    }
+    override = write_yaml(work / f"{name}.yaml", {"trainer": trainer})
+    fit_args = [*[a for c in configs for a in ("--config", c)], "--config", str(override)]
+    run: dict[str, Any] = {"rc": None, "losses": [], "estimate": write_estimate(name, work, fit_args)}
+    if measure is not None:
+        run["warmup_steps_left_out"] = warmup
+    record.put(**{name: run})
+    argv = [sys.executable, "-m", "lit_fsdp", "fit", *fit_args] + (["--ckpt_path", ckpt_path] if ckpt_path else [])
+    print("$", " ".join(argv), flush=True)
+    begin = time.perf_counter()
+    child = subprocess.Popen(argv, cwd=ROOT, stdout=sys.stdout, stderr=subprocess.STDOUT, start_new_session=True,
+                             env=environment())
+    first_step_at = steady_from = None
+    while child.poll() is None:
+        time.sleep(2)
+        losses = logged_losses(folder)
+        now = time.perf_counter() - begin
+        if losses and first_step_at is None:
+            first_step_at = now
+        if steady_from is None and len(losses) >= max(warmup, 1):  # the steps/s below leave the warm-up out too
+            steady_from = (now, len(losses))
+        run.update(wall_s=round(now, 1), steps_done=len(losses), first_step_s=first_step_at and round(first_step_at, 1),
+                   min_mem_available_gib=min(run.get("min_mem_available_gib", 1e9), meminfo()["MemAvailable_gib"]))
+        if steady_from is not None and len(losses) > steady_from[1]:
+            run["steps_per_s"] = round((len(losses) - steady_from[1]) / max(now - steady_from[0], 1e-9), 3)
+        record.put(**{name: run})
+        if run["min_mem_available_gib"] < min_free_gib:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            run["stopped"] = f"watchdog: MemAvailable {run['min_mem_available_gib']} GiB < {min_free_gib}"
+            break
+    results = folder / "results.jsonl"
+    losses = logged_losses(folder)
+    run.update(rc=child.returncode, wall_s=round(time.perf_counter() - begin, 1), steps_done=len(losses),
+               result=json.loads(results.read_text().splitlines()[-1]) if results.is_file() else {},
+               losses=[losses[k] for k in sorted(losses)])
+    if measure is not None:
+        run["figures"] = figures(run)
+    record.put(**{name: run})
+    if child.returncode != 0:
+        raise RuntimeError(f"{name}: fit exited {child.returncode}" + (f" ({run['stopped']})" if "stopped" in run else ""))
+    return run
+
+
+def figures(run: dict[str, Any]) -> dict[str, Any]:
+    """The figures of a measured run that the records' summaries and the tables show: results.jsonl's rates (the
+    warm-up left out), peaks and offload figures, the lowest MemAvailable, and the CPU update's GB/s: the bytes
+    ``estimate`` counts for it over its measured time (absent where either is)."""
+    result, estimate = run.get("result", {}), run.get("estimate", {})
+    keys = ("tokens_per_s", "mfu", "steps_measured", "warmup_steps_included", "step_time_ms_mean", "step_time_ms_p50",
+            "peak_allocated_gb", "peak_reserved_gb", "train_loss")
+    found = {key: value for key, value in result.items()
+             if key in keys or key.startswith(("offload_", "host_", "memory_", "perf_", "mfu", "tokens"))}
+    found.update(warmup_steps_left_out=run.get("warmup_steps_left_out"),
+                 min_mem_available_gib=run.get("min_mem_available_gib"))
+    update_ms, update_bytes = result.get("offload_cpu_update_ms"), estimate.get("cpu_update_bytes")
+    if update_ms and update_bytes:
+        found["offload_cpu_update_gbps"] = update_bytes / 1e9 / (update_ms / 1e3)
+    if estimate.get("step_time_s") is not None:
+        found["estimate_step_time_s"] = estimate["step_time_s"]
+    return found

@@ -1,0 +1,382 @@
+"""The GPU check's steps, one row each in ``STEPS``: what a step runs, its deadline, what it records and what it
+needs to have passed before it. A training run is a ``Fit`` row (shipped configs and the overlay laid over them per
+device); the few steps that are more than one fit (the probe, tests, parity, resume, tune, benchmarks) are functions.
+Adding a fit step is adding a row.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+from gpu_fit import HOST_MEMORY_VARIABLE, ROOT, Record, command, fit, measuring, warmup_steps, write_yaml
+from gpu_probe import probe
+
+#: A step that is a function: it runs in the step's process and writes what it measured into the record.
+StepFunction = Callable[[Record, str, Path], None]
+
+QUICKSTART = "configs/quickstart.yaml"
+ONE_B = (QUICKSTART, "configs/llama_1b.yaml")
+EIGHT_B = (QUICKSTART, "configs/llama_8b_offload.yaml")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A measured ``python -m lit_fsdp fit`` run: ``configs`` in order, then ``overlay(device)`` (written as
+    ``<work>/<step>_shape.yaml``); the warm-up, then ``steps`` measured steps (``cpu_steps`` in the CPU mode). The
+    step's record holds the run under the step's name and ``summary``: its figures (``gpu_fit.figures``) with
+    results.jsonl's figures whose names start with one of ``result_keys``."""
+
+    configs: tuple[str, ...]
+    overlay: Callable[[str], dict[str, Any]]
+    steps: int
+    cpu_steps: int = 1
+    offload: bool = False  # SlideFSDP: OffloadStats' figures too
+    callbacks: Callable[[], list[dict[str, Any]]] = list  # more callbacks, before the measuring ones
+    result_keys: tuple[str, ...] = ()
+
+    def run(self, name: str, record: Record, device: str, work: Path) -> None:
+        shape = write_yaml(work / f"{name}_shape.yaml", self.overlay(device))
+        done = fit(name, work, [*self.configs, str(shape)], record, self.steps if device == "cuda" else self.cpu_steps,
+                   measure=measuring(offload=self.offload, extra=self.callbacks()))
+        extra = {key: value for key, value in done["result"].items() if key.startswith(self.result_keys)}
+        record.put(summary={**done["figures"], **extra})
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the check. ``deadline``: seconds on one H100, about 1.25x the longest time the records in
+    docs/gpu_runs/ give the step (and ``estimate``'s few seconds), or for a step no record has timed, its set-up
+    and steps counted from the nearest record. ``requires``: a step that must have passed when it ran before this
+    one in the same call. ``default``: in the default plan."""
+
+    name: str
+    runs: Fit | StepFunction
+    deadline: int
+    records: str  # what it runs and records, for --help
+    requires: str | None = None
+    default: bool = False
+
+    def run(self, record: Record, device: str, work: Path) -> None:
+        if isinstance(self.runs, Fit):
+            self.runs.run(self.name, record, device, work)
+        else:
+            self.runs(record, device, work)
+
+
+# --- overlays: what a run lays over the shipped configs, per device ------------------------------------------------
+
+
+def accelerator(device: str) -> dict[str, Any]:
+    return {"accelerator": "gpu" if device == "cuda" else "cpu", "devices": 1}
+
+
+def tiny(layers: int) -> dict[str, Any]:
+    """The CPU mode's model and data: llama-tiny, at most 4 blocks, 2 x 64 tokens."""
+    return {"model": {"preset": "llama-tiny", "config_overrides": {"num_hidden_layers": min(layers, 4)}},
+            "data": {"init_args": {"vocab_size": 512, "seq_len": 64, "batch_size": 2}}}
+
+
+def merge(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``more`` laid over it, key by key at every depth."""
+    merged = dict(base)
+    for key, value in more.items():
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = merge(merged[key], value) if both else value
+    return merged
+
+
+def nest(settings: dict[str, Any]) -> dict[str, Any]:
+    """``{"a.b": 1}`` as ``{"a": {"b": 1}}``: a config override from dotted keys."""
+    nested: dict[str, Any] = {}
+    for dotted, value in settings.items():
+        *parents, leaf = dotted.split(".")
+        node = nested
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return nested
+
+
+def as_shipped(device: str, layers: int | None = None) -> dict[str, Any]:
+    """What a run of configs/llama_8b_offload.yaml as shipped overrides: the device and, on a GPU, the host memory
+    the preflight may count on (and ``layers`` of its 32 blocks, when given); on the CPU, llama-tiny in float32."""
+    if device == "cuda":
+        init = {"host_memory_gb": float(os.environ[HOST_MEMORY_VARIABLE])}
+        overrides = {"model": {"config_overrides": {"num_hidden_layers": layers}}} if layers else {}
+    else:
+        init, overrides = {"param_dtype": "float32"}, tiny(2)
+    return {**overrides, "trainer": {**accelerator(device),
+                                     "strategy": {"class_path": "offload.SlideFSDPStrategy", "init_args": init}}}
+
+
+#: The control's settings, those of the 8B's records before the delayed update (step ``eight_b_fp32`` of
+#: docs/gpu_runs/2026-11-26-h100/summary-2.json): the control step lays them over configs/llama_8b_offload.yaml,
+#: whatever it ships, so that what the shipped settings gain is measured on the same machine in the same call.
+EIGHT_B_BEFORE = {
+    "data.init_args.batch_size": 8,  # 8 x 2048 = 16,384 tokens per optimizer step
+    "trainer.gradient_clip_val": None,
+    "trainer.strategy.init_args.optimizer_state_dtype": "float32",
+    "trainer.strategy.init_args.delayed_update": False,
+    "trainer.strategy.init_args.gradient_slots": 2,  # max(2, window): the ring of those windows
+    "trainer.strategy.init_args.activation_offload": "cpu",
+}
+
+
+def eight_b_before(device: str) -> dict[str, Any]:
+    return merge(as_shipped(device), nest(EIGHT_B_BEFORE))
+
+
+def one_b(device: str, batch: int | None = None, model: dict[str, Any] | None = None, **knobs: Any) -> dict[str, Any]:
+    """configs/llama_1b.yaml on one device with its preset's 128k vocabulary, ``batch`` sequences of 2048 tokens
+    (default: the config's), ``model`` settings and the strategy's ``knobs`` laid over it; on the CPU, llama-tiny in
+    float32."""
+    if device == "cuda":
+        overrides = {"data": {"init_args": {"vocab_size": 128256, **({"batch_size": batch} if batch else {})}}}
+    else:
+        overrides, knobs = tiny(16), {**knobs, "param_dtype": "float32", "compile_blocks": False}
+    overrides = merge(overrides, {"model": model or {}, "trainer": accelerator(device)})
+    if knobs:
+        overrides["trainer"]["strategy"] = {"class_path": "lit_fsdp.strategy.FSDP2Strategy", "init_args": knobs}
+    return overrides
+
+
+def onebit(device: str) -> dict[str, Any]:
+    """FSDP2 + 1-bit Adam, freezing at step 4: 4 Llama-1B-shaped blocks at 2 x 2048 (llama-tiny on the CPU)."""
+    cuda = device == "cuda"
+    return {
+        "model": {"preset": "llama-1b" if cuda else "llama-tiny", "config_overrides": {"num_hidden_layers": 4 if cuda else 2}},
+        "data": {"init_args": {"vocab_size": 32000 if cuda else 512, "seq_len": 2048 if cuda else 64, "batch_size": 2}},
+        "trainer": {**accelerator(device), "gradient_clip_val": None,
+                    "strategy": {"class_path": "lit_fsdp.strategy.FSDP2Strategy",
+                                 "init_args": {"compression": {"method": "onebit_adam", "freeze_step": 4, "chunk_size": 128,
+                                                               "bound": 1.0}}}},
+    }
+
+
+def slide_fsdp_syncs() -> list[dict[str, Any]]:
+    return [{"class_path": "callbacks.HostSyncs", "init_args": {"warmup_steps": warmup_steps(), "steps": 5}}]
+
+
+def onebit_callbacks() -> list[dict[str, Any]]:
+    return [{"class_path": "callbacks.HostSyncs", "init_args": {"warmup_steps": 2, "steps": 8}},
+            {"class_path": "callbacks.CommProfiler", "init_args": {"wait": 5, "warmup": 1, "active": 3}}]
+
+
+EAGER = {"trainer": {"strategy": {"init_args": {"compile_blocks": False}}}}
+LORA = {"model": {"lora": {"rank": 16, "alpha": 32}}}
+
+
+def eight_b(overlay: Callable[[str], dict[str, Any]]) -> Fit:
+    """configs/llama_8b_offload.yaml's 8B (llama-tiny on the CPU) with ``overlay``, 3 steps measured after the
+    warm-up on either device."""
+    return Fit(EIGHT_B, overlay, steps=3, cpu_steps=3, offload=True)
+
+
+def fsdp2_1b(**settings: Any) -> Fit:
+    """configs/llama_1b.yaml with ``one_b``'s ``settings``, 28 steps measured after the warm-up."""
+    return Fit(ONE_B, partial(one_b, **settings), steps=28)
+
+
+# --- the steps that are not one fit --------------------------------------------------------------------------------
+
+CUDA_TESTS = ["tests/test_quantizers.py", "tests/test_sparsifiers.py", "tests/test_generate_and_evaluate.py"]
+
+
+def cuda_tests(record: Record, device: str, work: Path) -> None:
+    """The tests named ``cuda`` of ``CUDA_TESTS``, 4 workers on a GPU; the record lists what failed."""
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-k", "cuda", *CUDA_TESTS]
+    try:
+        command("cuda_tests", argv + (["-n", "4"] if device == "cuda" else []), work, record)
+    finally:
+        lines = (work / "cuda_tests.txt").read_text().splitlines()
+        record.put(failed=[line for line in lines if line.startswith(("FAILED", "ERROR"))][:30])
+
+
+def offload_strategy(device: str, dtype: str, **knobs: Any) -> dict[str, Any]:
+    init = {"window": 2, "param_transfer": "full", "grad_sync": "gpu_reduce", "param_dtype": dtype, "reduce_dtype": "auto",
+            "activation_checkpointing": 1, "activation_offload": "cpu", **knobs}
+    if device == "cuda":
+        # The VM's memory is granted as it is used: MemAvailable starts far below what it gets (--host-memory-gb).
+        init["host_memory_gb"] = float(os.environ[HOST_MEMORY_VARIABLE])
+    return {"class_path": "offload.SlideFSDPStrategy", "init_args": init}
+
+
+def parity(record: Record, device: str, work: Path) -> None:
+    """Two float32 fits of 4 Llama-1B-shaped blocks (llama-tiny on the CPU), 15 steps (4): their losses compared."""
+    steps = 15 if device == "cuda" else 4
+    shape = ({"model": {"preset": "llama-1b", "config_overrides": {"num_hidden_layers": 4}},
+              "data": {"init_args": {"vocab_size": 128256, "seq_len": 2048, "batch_size": 2}}}
+             if device == "cuda" else tiny(4))
+    runs = {}
+    for name, strategy in (
+        ("parity_fsdp2", {"class_path": "lit_fsdp.strategy.FSDP2Strategy",
+                          "init_args": {"sharding": "FULL_SHARD", "param_dtype": "float32", "reduce_dtype": "float32",
+                                        "activation_checkpointing": 1}}),
+        ("parity_slide_fsdp", offload_strategy(device, "float32")),
+    ):
+        overrides = {**shape, "trainer": {**accelerator(device), "gradient_clip_val": None, "strategy": strategy,
+                                          "callbacks": [{"class_path": "callbacks.Results"}]}}
+        config = write_yaml(work / f"{name}_shape.yaml", overrides)
+        runs[name] = fit(name, work, [QUICKSTART, str(config)], record, steps)["losses"]
+    a, b = runs["parity_fsdp2"], runs["parity_slide_fsdp"]
+    if len(a) != steps or len(b) != steps:
+        raise RuntimeError(f"parity: {len(a)} and {len(b)} losses logged, {steps} expected")
+    relative = [abs(x - y) / abs(x) for x, y in zip(a, b)]
+    record.put(relative_first=relative[0], relative_max=max(relative), passed=relative[0] < 1e-5 and max(relative) < 1e-3)
+    if not record["passed"]:
+        raise RuntimeError(f"parity: relative loss difference {relative[0]:.2e} at step 1, {max(relative):.2e} at most")
+
+
+def codecs(record: Record, device: str, work: Path) -> None:
+    """scripts/bench_codecs.py, 64M values on a GPU; on the CPU, three codecs: the step's code path (bench_codecs
+    times each until its spread settles, up to 10 s)."""
+    sizes = ["--numel", str(64 * 2**20)] if device == "cuda" else ["--numel", str(2**20), "--methods", "fp16", "int8", "topk"]
+    lines = command("codecs", [sys.executable, "scripts/bench_codecs.py", "--device", device, *sizes, "--repeats", "5",
+                               "--warmup", str(warmup_steps())], work, record)
+    record.put(table=[line for line in lines if line.startswith("|")])
+
+
+def bench_offload(record: Record, device: str, work: Path) -> None:
+    """scripts/bench_offload.py: the 1B at 8 x 2048 on a GPU, every strategy; gpt2-tiny under SlideFSDP on the CPU."""
+    warmup = warmup_steps()
+    gpu = ["--accelerator", "gpu", "--devices", "1", "--param-dtype", "bfloat16", "--presets", "llama-1b",
+           "--seq-len", "2048", "--batch-size", "8", "--steps", str(warmup + 8)]
+    cpu = ["--devices", "1", "--presets", "gpt2-tiny", "--seq-len", "64", "--batch-size", "2", "--steps", str(warmup + 1),
+           "--strategies", "slide_fsdp"]
+    command("bench_offload", [sys.executable, "scripts/bench_offload.py", *(gpu if device == "cuda" else cpu),
+                              "--warmup", str(warmup), "--repeats", "1", "--out", str(work / "bench_offload")], work, record)
+    record.put(table=(work / "bench_offload" / "table.md").read_text().splitlines())
+
+
+def resume_export(record: Record, device: str, work: Path) -> None:
+    """The quickstart stopped at step 4 of 8 and resumed against the uninterrupted run; then ``export``."""
+    shape = write_yaml(work / "resume_shape.yaml", {"trainer": {**accelerator(device), "callbacks": [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"save_last": True, "every_n_train_steps": 4, "save_top_k": -1}}]}})
+    configs = [QUICKSTART, str(shape)]
+    whole = fit("resume_whole", work, configs, record, 8, checkpoints=True)["losses"]
+    first = fit("resume_first", work, configs, record, 4, checkpoints=True)
+    checkpoint = work / "resume_first" / "checkpoints" / "last.ckpt"
+    rest = fit("resume_rest", work, configs, record, 8, checkpoints=True, ckpt_path=str(checkpoint),
+               folder=work / "resume_first")
+    resumed = first["losses"] + rest["losses"][len(first["losses"]):]
+    record.put(whole=whole, resumed=resumed, exact=whole == resumed)
+    command("export", [sys.executable, "-m", "lit_fsdp", "export", str(checkpoint), str(work / "exported")], work, record)
+    if whole != resumed:
+        raise RuntimeError(f"resume: {resumed} differs from the uninterrupted {whole}")
+
+
+def tune(record: Record, device: str, work: Path) -> None:
+    """``tune`` on configs/llama_1b.yaml with 4 trials (the quickstart with 1 on the CPU); the record has its report."""
+    configs = ["--config", QUICKSTART] + (["--config", "configs/llama_1b.yaml", "--trainer.devices", "1"]
+                                          if device == "cuda" else ["--trainer.devices", "1"])
+    trials = "4" if device == "cuda" else "1"
+    lines = command("tune", [sys.executable, "-m", "lit_fsdp", "tune", *configs, "--tune.trials", trials,
+                             "--tune.out", str(work / "tune")], work, record)
+    record.put(report=lines[-30:])
+
+
+SFT_SAMPLES = ROOT / "lit_fsdp" / "data" / "samples" / "reverse_words"
+
+
+def sft_base(device: str, folder: Path) -> Path:
+    """A pretrained folder as ``export`` writes one: Llama-1B's blocks (llama-tiny on the CPU) and a BPE trained on the
+    sample task's text, whose vocabulary the model takes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lit_fsdp.data.chat import read_samples
+    from lit_fsdp.data.tokenizer import train_bpe
+    from lit_fsdp.presets import build_config
+
+    texts = [" ".join(content for _, content in sample.turns) for sample, _ in read_samples(SFT_SAMPLES / "train.jsonl")]
+    tokenizer = train_bpe(texts[:1000], 400)
+    tokenizer.save_pretrained(folder)
+    config = build_config("llama-1b" if device == "cuda" else "llama-tiny", {"vocab_size": len(tokenizer)})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.to(torch.bfloat16 if device == "cuda" else torch.float32).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def sft(record: Record, device: str, work: Path) -> None:
+    """configs/sft_full.yaml, then configs/sft_lora.yaml, from ``sft_base``'s folder on the sample task, packed at
+    4 x 2048 with 18 steps measured (2 x 64 and 1 on the CPU); each must end with a lower loss than it began."""
+    base = sft_base(device, work / "sft_base")
+    shape = {"seq_len": 2048, "batch_size": 4} if device == "cuda" else {"seq_len": 64, "batch_size": 2}
+    steps = 18 if device == "cuda" else 1
+    for config in ("sft_full", "sft_lora"):
+        override = write_yaml(work / f"{config}_shape.yaml", {
+            "trainer": accelerator(device),
+            "model": {"pretrained_path": str(base)},
+            "data": {"init_args": {**shape, "train_path": str(SFT_SAMPLES / "train.jsonl"),
+                                   "val_path": str(SFT_SAMPLES / "val.jsonl")}}})
+        run = fit(config, work, [f"configs/{config}.yaml", str(override)], record, steps, measure=measuring(offload=False))
+        losses = run["losses"]
+        record.put(**{f"{config}_summary": {**run["figures"], "first_loss": losses[0], "last_loss": losses[-1]}})
+        if not losses[-1] < losses[0]:
+            raise RuntimeError(f"{config}: the loss did not fall ({losses[0]:.4f} to {losses[-1]:.4f})")
+
+
+# --- the table ---------------------------------------------------------------------------------------------------
+
+#: Every step, in the order ``--steps`` lists them; the default plan's come first.
+STEPS: dict[str, Step] = {step.name: step for step in (
+    Step("probe", probe, 60, default=True,
+         records="versions, device, host memory, cores; an 8 GiB registration; copy, GEMM and CPU update rates; a "
+                 "Llama-8B-shaped step's share of the GEMM peak; hardware.json from them"),
+    Step("eight_b", eight_b(as_shipped), 235, requires="slide_fsdp", default=True,
+         records="configs/llama_8b_offload.yaml as shipped: tokens/s, MFU, the CPU update's ms and GB/s, the device's "
+                 "idle time, the hidden and hideable shares, peaks, the lowest MemAvailable"),
+    Step("fsdp2_1b", fsdp2_1b(), 110, default=True,
+         records="configs/llama_1b.yaml as shipped with its 128k vocabulary: tokens/s, MFU, device peak"),
+    Step("cuda_tests", cuda_tests, 70, default=True,
+         records="the tests that skip without CUDA: codecs on the device, generate/evaluate on CPU against GPU"),
+    Step("eight_b_control", eight_b(eight_b_before), 170, requires="slide_fsdp",
+         records="the 8B with EIGHT_B_BEFORE laid over the shipped config (8 x 2048, float32 moments, no delayed "
+                 "update, 2 gradient slots, no clipping): eight_b's figures"),
+    Step("eight_b_eager", eight_b(lambda device: merge(as_shipped(device), EAGER)), 205, requires="slide_fsdp",
+         records="the 8B as shipped with eager blocks: what compiling is worth to SlideFSDP's step"),
+    Step("slide_fsdp", Fit(EIGHT_B, partial(as_shipped, layers=8), steps=8, offload=True, callbacks=slide_fsdp_syncs),
+         180, records="configs/llama_8b_offload.yaml with 8 of its 32 blocks: the 8B's figures, host syncs per step"),
+    Step("parity", parity, 130,
+         records="float32 FSDP2 against SlideFSDP (window 2, activations checkpointed and offloaded, overlapped "
+                 "update): relative loss difference under 1e-5 at step 1 and 1e-3 throughout"),
+    Step("onebit", Fit((QUICKSTART,), onebit, steps=10, cpu_steps=10, callbacks=onebit_callbacks,
+                       result_keys=("host_syncs", "comm_")), 70,
+         records="FSDP2 + 1-bit Adam across its freeze: host syncs per step by call site, the communication profile"),
+    Step("codecs", codecs, 45, records="scripts/bench_codecs.py on the device: GB/s per codec"),
+    Step("fsdp2_1b_no_ac", fsdp2_1b(batch=4, model={"loss_chunk_tokens": 1024}, activation_checkpointing=0,
+                                    compile_blocks=False), 75,
+         records="configs/llama_1b_low_memory.yaml's setting without activation checkpointing: the recompute's cost"),
+    Step("fsdp2_1b_compiled", fsdp2_1b(batch=4, model={"loss_chunk_tokens": 0}, activation_checkpointing=0,
+                                       compile_blocks=True), 90,
+         records="the 1B at 4 x 2048 with compiled blocks, the plain loss, no activation checkpointing"),
+    Step("fsdp2_1b_fast", fsdp2_1b(batch=8, model={"loss_chunk_tokens": 0}, activation_checkpointing=0,
+                                   compile_blocks=True), 120,
+         records="the 1B at 8 x 2048 with compiled blocks, the plain loss, no activation checkpointing"),
+    Step("bench_offload", bench_offload, 240,
+         records="scripts/bench_offload.py: SlideFSDP against torch's CPUOffloadPolicy and plain FSDP2"),
+    Step("resume_export", resume_export, 120,
+         records="exact resume on the device (stopped at step 4 of 8, resumed, against the whole run), then export"),
+    Step("tune", tune, 300, records="tune with 4 trials: its memory filter and trial runner on a real GPU"),
+    Step("sft", sft, 170,
+         records="configs/sft_full.yaml against configs/sft_lora.yaml from a Llama-1B-shaped base: tokens/s, device "
+                 "peak, the loss falling"),
+    Step("eight_b_lora", eight_b(lambda device: merge(eight_b_before(device), LORA)), 200, requires="slide_fsdp",
+         records="LoRA rank 16 on the 8B with the control's settings: host and device peaks against estimate's"),
+)}
+#: The default plan: the probe (its hardware.json is what every estimate uses), the 8B and the 1B as shipped, the
+#: CUDA-only tests. Their deadlines add up to PLAN_SECONDS at most, so the plan fits one device call; the other
+#: steps (the 8B's control and eager twin among them) are named with --steps.
+PLAN = tuple(name for name, step in STEPS.items() if step.default)
+PLAN_SECONDS = 540  # a device call's 10 minutes, less a minute for the wheels' install, Python's start and the copy back
+PLAN_BUDGET = sum(STEPS[name].deadline for name in PLAN)  # --budget's default
+#: The CPU mode's deadlines are the GPU's times this: tiny sizes, but each run's set-up and estimate on the 2 shared
+#: cores of a CI machine.
+CPU_DEADLINE_FACTOR = 3
