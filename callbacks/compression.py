@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
@@ -43,7 +44,7 @@ class CompressionStats(pl.Callback):
         self.samples: list[dict[str, float]] = []  # grad_rel_error and grad_cosine of each sampled step
         self.peak_extra_memory = 0
         self.residual_norm: float | None = None
-        self.hook_figures: dict[str, Any] = {}  # the hook's own run figures (semi-synchronous training's syncs)
+        self.semi_sync: dict[str, Any] = {}  # semi-synchronous training's figures (reporting.SemiSyncFigures)
 
     @staticmethod
     def _hook(trainer: pl.Trainer) -> CompressionReport | None:
@@ -87,14 +88,16 @@ class CompressionStats(pl.Callback):
         log_metrics(trainer, metrics)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        hook = self._hook(trainer)
+        strategy = strategy_report(trainer)
+        hook = strategy.compression_hook()
         if hook is None:
             return
         report = {"method": hook.config.method, "config": vars(hook.config), **self.totals, **summarise(self.totals),
                   "warmup_steps": hook.config.warmup(),
                   "ratio_after_warmup": summarise(self.after_warmup).get("compress/ratio_vs_fp32")}
         report.update(memory_metrics(hook))
-        self.hook_figures = hook.figures()
+        semi_sync = strategy.semi_sync_figures()
+        self.semi_sync = {} if semi_sync is None else asdict(semi_sync)
         report.update(self.run_figures())
         write_json(trainer, "compression.json", report)
 
@@ -104,7 +107,7 @@ class CompressionStats(pl.Callback):
             key: sum(sample[key] for sample in self.samples) / len(self.samples) if self.samples else None
             for key in ("grad_rel_error", "grad_cosine")
         }
-        return {**means, "extra_memory_bytes": self.peak_extra_memory, **self.hook_figures}
+        return {**means, "extra_memory_bytes": self.peak_extra_memory, **self.semi_sync}
 
     def summary(self) -> dict[str, Any]:
         """Run totals for the results record; empty when no compression hook ran (the ``none`` method)."""

@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import AtomicCheckpoints, NonFiniteGuard, OnNonFinite
 from lit_fsdp.reporting import StrategyReport
-from lit_fsdp.strategy import DType, check_precision, resolve_dtype
+from lit_fsdp.lifecycle import DType, check_precision, resolve_dtype
 from lit_fsdp.weights import materialize
 
 _AUTOCAST = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}

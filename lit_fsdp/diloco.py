@@ -1,10 +1,10 @@
 """Semi-synchronous data parallelism (DiLoCo and Streaming DiLoCo) across the replicate dimension.
 
-Each replica group trains on its own for ``sync_every`` (H) optimizer steps: FSDP2 reduces gradients inside
-the group only. Then the groups average the pseudo-gradient ``delta = theta_outer - theta_local`` over the
-replicate dimension and apply it to ``theta_outer`` with Nesterov SGD (Douillard et al., arXiv 2311.08105:
-learning rate 0.7, momentum 0.9); each replica restarts from the new ``theta_outer``. Its inner AdamW state
-stays its own.
+Each replica group trains on its own for ``sync_every`` (H) optimizer steps: FSDP2 reduces gradients inside the group
+only. Then the groups average the pseudo-gradient ``delta = theta_outer - theta_local`` over the replicate dimension
+and apply it to ``theta_outer`` with Nesterov SGD (Douillard et al., arXiv 2311.08105: learning rate 0.7, momentum
+0.9); each replica restarts from the new ``theta_outer``. Its inner AdamW state stays its own. ``SemiSyncConfig``
+holds H and the outer step (``OuterConfig``).
 
 Streaming (arXiv 2501.18512): the model is cut into ``fragments`` (FSDP units taken in turn: unit u belongs to
 fragment u mod P) that synchronise at staggered steps, fragment p at the steps t = p * H / P (mod H). A
@@ -24,9 +24,14 @@ average (every replica the same bits) and ``export`` writes it. That final avera
 a checkpoint taken after it keeps the state from before it (each replica's weights, theta_outer, averages in flight),
 so a run extended past its ``max_steps`` continues as the uninterrupted run would.
 
-Bytes: ``stats.bytes_raw`` counts, every optimizer step, what a per-step float32 ring all-reduce of this rank's
-trained shard would send over the replicate dimension; ``stats.bytes_sent`` what the synchronisations sent, the final
-one included. Their ratio is the run's ``compression_ratio``, exact for any ``max_steps``.
+Bytes (``ExchangeCounters``, what ``callbacks.CompressionStats`` takes each step): ``bytes_raw`` counts, every
+optimizer step, what a per-step float32 ring all-reduce of this rank's trained shard would send over the replicate
+dimension; ``bytes_sent`` what the synchronisations sent, the final one included. Their ratio is the run's
+``compression_ratio``, exact for any ``max_steps``. The run's figures (synchronisations, their time) are
+``lit_fsdp.reporting.SemiSyncFigures``.
+
+``lit_fsdp.semi_sync.SemiSync`` is what the strategy composes: it builds an ``OuterSync`` and calls it from the
+strategy's life cycle.
 
 Validation (``swap_in_outer``/``swap_out_outer``) scores theta_outer, the replicas' last average, the same on every
 replica, so each rank's share of the validation set is scored by one model and the reduction covers the whole set.
@@ -41,12 +46,12 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from compress.communicator import CommStats, CompressedAllReduce
 from compress.config import CompressionConfig
 from lit_fsdp.errors import OneLineError
+from lit_fsdp.reporting import SemiSyncFigures
 
 #: codecs whose payload the replicate all-reduce can gather or add (``compress.communicators.COMPRESSED``)
 OUTER_CODECS = ("none", "fp16", "bf16", "fp8", "int8", "qsgd", "natural", "topk", "randomk", "thresholdv", "signsgd",
@@ -99,15 +104,6 @@ class OuterConfig:
                                f"replicas; choose one of {', '.join(OUTER_CODECS)}")
         self.codec.build(rank=0)  # an unknown or misplaced codec parameter: one line now
 
-    def check(self, sync_every: int) -> None:
-        """Refuse what cannot run with ``sync_every`` inner steps per synchronisation."""
-        if self.fragments > sync_every:
-            raise OneLineError(f"{_OPTION}.fragments={self.fragments} exceeds sync_every={sync_every}: each fragment "
-                               "synchronises at its own step of the H; give fragments <= sync_every")
-        if self.delay >= sync_every:
-            raise OneLineError(f"{_OPTION}.delay={self.delay}: a fragment's average must be applied before its next "
-                               f"synchronisation, sync_every={sync_every} steps later; give delay < sync_every")
-
     def check_units(self, units: int) -> None:
         """Refuse more fragments than the model has FSDP units."""
         if self.fragments > units:
@@ -119,6 +115,35 @@ class OuterConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["codec"] = {k: v for k, v in vars(self.codec).items() if v is not None}
         return values
+
+
+@dataclass
+class SemiSyncConfig:
+    """Semi-synchronous training: ``sync_every`` (H) inner optimizer steps between two synchronisations of each
+    fragment, and the outer step (``outer``). ``FSDP2Strategy`` builds it from its ``sync_every`` and ``outer``
+    arguments; every setting that cannot run with H is refused here, in one line."""
+
+    sync_every: int
+    outer: OuterConfig = field(default_factory=OuterConfig)
+
+    def __post_init__(self) -> None:
+        every = self.sync_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"sync_every={every!r}: give the optimizer steps between synchronisations of the replica "
+                             "groups, an integer >= 1, or 0 to synchronise every step")
+        if isinstance(self.outer, dict):
+            self.outer = OuterConfig(**self.outer)
+        if self.outer.fragments > every:
+            raise OneLineError(f"{_OPTION}.fragments={self.outer.fragments} exceeds sync_every={every}: each fragment "
+                               "synchronises at its own step of the H; give fragments <= sync_every")
+        if self.outer.delay >= every:
+            raise OneLineError(f"{_OPTION}.delay={self.outer.delay}: a fragment's average must be applied before its "
+                               f"next synchronisation, sync_every={every} steps later; give delay < sync_every")
+
+    @property
+    def name(self) -> str:
+        """``diloco<H>``, in the strategy's label and the compression method's name."""
+        return f"diloco{self.sync_every}"
 
 
 def ring_all_reduce_bytes(numel: int, replicas: int) -> int:
@@ -133,11 +158,12 @@ def outer_state_bytes(config: OuterConfig, trained: int) -> int:
     return per_parameter * trained + 4 * -(-trained // config.fragments)
 
 
-def exchange_bytes(config: OuterConfig, sync_every: int, trained: int, replicas: int, sample: int = 1 << 20) -> float:
+def exchange_bytes(config: SemiSyncConfig, trained: int, replicas: int, sample: int = 1 << 20) -> float:
     """What one rank sends per optimizer step, averaged over ``sync_every`` steps: a ring all-reduce of its ``trained``
     shard for ``none`` and the codecs that add on the wire, otherwise its payload to every other replica. The
     payload's size is measured on ``sample`` random values."""
-    compressor = config.codec.build(rank=0)
+    sync_every = config.sync_every
+    compressor = config.outer.codec.build(rank=0)
     if compressor is None:
         return ring_all_reduce_bytes(trained, replicas) / sync_every
     n = min(trained, sample)
@@ -148,33 +174,81 @@ def exchange_bytes(config: OuterConfig, sync_every: int, trained: int, replicas:
     return (replicas - 1) * 4 * trained * share / sync_every
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded parameter (or optimizer state), the tensor itself otherwise."""
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-class _Fragment:
-    """One fragment's trained parameters, its theta_outer and momentum (flat float32), and its exchange in flight."""
+class ExchangeCounters:
+    """This rank's outer exchanges as ``callbacks.CompressionStats`` takes them each step
+    (``lit_fsdp.reporting.CommCounters``).
 
-    def __init__(self, index: int, params: list[torch.Tensor], offset: int, device: torch.device, pin: bool):
+    ``bytes_raw`` is counted every inner step: what a per-step float32 ring all-reduce of the trained shard would send.
+    The other counters are those of the exchanges that ended since the last take. Each fragment's all-reduce counts
+    into a ``CommStats`` of its own, because it may run on the exchange thread while this is taken; that is read once
+    the exchange ended, less its raw bytes (one synchronisation's, not one per step).
+    """
+
+    sampling = False  # CompressionStats sets it on sampled steps; pseudo-gradients are not sampled
+
+    def __init__(self) -> None:
+        self.bytes_raw = 0
+        self._ended: list[dict[str, float]] = []
+
+    def add_exchange(self, counters: dict[str, float]) -> None:
+        """An ended exchange's counters, as its ``CommStats.take()`` returned them."""
+        self._ended.append(counters)
+
+    def take(self) -> dict[str, float]:
+        """Every counter since the last take, ``CommStats``' fields (``buffer_bytes`` the largest call's), then zero."""
+        taken = CommStats().take()  # every counter at zero, of its type
+        for ended in self._ended:
+            for key, value in ended.items():
+                taken[key] = max(taken[key], value) if key == "buffer_bytes" else taken[key] + value
+        taken["bytes_raw"] = self.bytes_raw
+        self.bytes_raw, self._ended = 0, []
+        return taken
+
+
+class _Fragment:
+    """One fragment's trained parameters, its theta_outer and momentum (flat float32), and its exchange: the
+    all-reduce over the replicas, the counters it fills and the exchange in flight."""
+
+    def __init__(self, index: int, params: list[torch.Tensor], offset: int, device: torch.device, pin: bool,
+                 codec: Any, group: dist.ProcessGroup):
         self.index, self.params, self.offset = index, params, offset
-        self.numel = sum(_local(p).numel() for p in params)
+        self.numel = sum(local_shard(p).numel() for p in params)
         self.outer = torch.empty(self.numel, dtype=torch.float32, device=device, pin_memory=pin)
         self.momentum = torch.zeros(self.numel, dtype=torch.float32, device=device, pin_memory=pin)
+        self.stats = CommStats()
+        self.reducer = CompressedAllReduce(codec, self.stats, f"outer{index}", group)
         self.pending: torch.Tensor | None = None  # the averaged pseudo-gradient, once the exchange ended
         self.apply_at: int | None = None  # the inner step after which it is applied
         self.exchange: Future | None = None  # on the exchange thread
         self.exchange_s = 0.0
 
+    @property
+    def exchanges(self) -> int:
+        """The fragment's exchanges so far. They seed the codec's shared randomness
+        (``compress.communicator.PayloadMover.calls``), so a checkpoint keeps them: a resumed run draws the seeds
+        the uninterrupted one would."""
+        return self.reducer.mover.calls
+
+    @exchanges.setter
+    def exchanges(self, count: int) -> None:
+        self.reducer.mover.calls = count
+
     def local_flat(self, device: torch.device) -> torch.Tensor:
         """This rank's shard of the fragment's weights, flat float32 on ``device``."""
-        return torch.cat([_local(p).detach().reshape(-1).to(device=device, dtype=torch.float32) for p in self.params])
+        return torch.cat([local_shard(p).detach().reshape(-1).to(device=device, dtype=torch.float32)
+                          for p in self.params])
 
     def write_local(self, flat: torch.Tensor) -> None:
         """Put ``flat`` (float32, on any device) into the weights' shards."""
         start = 0
         with torch.no_grad():
             for param in self.params:
-                local = _local(param)
+                local = local_shard(param)
                 local.copy_(flat[start : start + local.numel()].view_as(local))
                 start += local.numel()
 
@@ -182,28 +256,26 @@ class _Fragment:
 class OuterSync:
     """Every rank's outer state and the synchronisations of its fragments (see the module docstring).
 
-    ``fragments``: the trained parameters of each fragment, in the same order on every rank; ``group``: the
-    replicate process group (gloo for ``state_device: cpu``). The strategy calls ``after_step`` after every
-    optimizer step. ``config`` (the codec's), ``stats`` and ``compressor`` are what ``callbacks.CompressionStats``
-    reads (``lit_fsdp.reporting.CompressionReport``); ``settings`` is the ``OuterConfig``.
+    ``settings``: H and the outer step; ``fragments``: the trained parameters of each fragment, in the same order on
+    every rank; ``group``: the replicate process group (gloo for ``state_device: cpu``). ``after_step`` follows every
+    optimizer step. ``config`` (the codec's), ``stats`` (``ExchangeCounters``) and ``compressor`` are what
+    ``callbacks.CompressionStats`` reads (``lit_fsdp.reporting.CompressionReport``); ``figures`` the run's figures.
     """
 
-    def __init__(self, config: OuterConfig, sync_every: int, fragments: list[list[torch.Tensor]],
-                 group: dist.ProcessGroup, device: torch.device):
-        config.check(sync_every)
-        self.settings, self.config, self.sync_every, self.group = config, config.codec, sync_every, group
+    def __init__(self, settings: SemiSyncConfig, fragments: list[list[torch.Tensor]], group: dist.ProcessGroup,
+                 device: torch.device):
+        outer = settings.outer
+        self.settings, self.config, self.sync_every, self.group = settings, outer.codec, settings.sync_every, group
         self.replicas = group.size()
-        self.device = torch.device("cpu") if config.state_device == "cpu" else device
+        self.device = torch.device("cpu") if outer.state_device == "cpu" else device
         pin = self.device.type == "cpu" and device.type == "cuda"
+        self.compressor = outer.codec.build(rank=dist.get_rank())
+        codec = self.compressor or _Uncompressed()
         P = len(fragments)
-        self.fragments = [_Fragment(i, params, i * sync_every // P, self.device, pin) for i, params in enumerate(fragments)]
+        self.fragments = [_Fragment(i, params, i * self.sync_every // P, self.device, pin, codec, group)
+                          for i, params in enumerate(fragments)]
         self.trained_numel = sum(f.numel for f in self.fragments)
-        self.compressor = config.codec.build(rank=dist.get_rank())
-        self.stats = CommStats()  # what CompressionStats reads: raw bytes every step, sent bytes at synchronisations
-        # each fragment's all-reduce counts into its own (its raw bytes are those of one synchronisation, not H steps)
-        self._exchange_stats = [CommStats() for _ in self.fragments]
-        self._reducers = [CompressedAllReduce(self.compressor or _Uncompressed(), stats, f"outer{f.index}", group)
-                          for f, stats in zip(self.fragments, self._exchange_stats)]
+        self.stats = ExchangeCounters()
         self.steps = 0  # inner optimizer steps taken
         self.syncs = 0
         self.wait_s = 0.0  # the main thread's time blocked on exchanges
@@ -232,32 +304,30 @@ class OuterSync:
         for fragment in self.fragments:
             if self.steps % self.sync_every == fragment.offset:
                 self._send(fragment)
-                if self.settings.delay == 0:
+                if self.settings.outer.delay == 0:
                     self._apply(fragment)
 
     def _send(self, fragment: _Fragment, in_line: bool = False) -> None:
         delta = fragment.outer - fragment.local_flat(self.device)
-        fragment.apply_at = self.steps + (0 if in_line else self.settings.delay)
-        reducer = self._reducers[fragment.index]
+        fragment.apply_at = self.steps + (0 if in_line else self.settings.outer.delay)
         self.syncs += 1
-        self.stats.calls += 1
-        if in_line or self.settings.delay == 0:
-            self._exchange(fragment, reducer, delta)
+        if in_line or self.settings.outer.delay == 0:
+            self._exchange(fragment, delta)
             return
         if self._thread is None:  # one thread: the exchanges run in the order sent, the same on every rank
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-sync")
-        fragment.exchange = self._thread.submit(self._exchange, fragment, reducer, delta)
+        fragment.exchange = self._thread.submit(self._exchange, fragment, delta)
 
     @staticmethod
-    def _exchange(fragment: _Fragment, reducer: CompressedAllReduce, delta: torch.Tensor) -> None:
+    def _exchange(fragment: _Fragment, delta: torch.Tensor) -> None:
         """Average ``delta`` over the replicas (in place, every replica the same bits); on the thread, if any."""
         begin = time.perf_counter()
-        reducer(delta)
+        fragment.reducer(delta)
         fragment.pending = delta
         fragment.exchange_s += time.perf_counter() - begin
 
     def _wait(self, fragment: _Fragment) -> None:
-        """Until the fragment's exchange has ended; then its bytes and times join ``stats``."""
+        """Until the fragment's exchange has ended; then its counters join ``stats``."""
         if fragment.exchange is not None:
             begin = time.perf_counter()
             exchange, fragment.exchange = fragment.exchange, None
@@ -267,11 +337,8 @@ class OuterSync:
                 raise RuntimeError(f"the outer synchronisation of fragment {fragment.index} failed: {error}") from error
             finally:
                 self.wait_s += time.perf_counter() - begin
-        taken = self._exchange_stats[fragment.index].take()
-        for key in ("numel", "bytes_sent", "bytes_index", "values_sent", "compress_s", "decompress_s",
-                    "extra_collectives", "extra_collective_s"):
-            setattr(self.stats, key, getattr(self.stats, key) + taken[key])
-        self.stats.buffer_bytes = max(self.stats.buffer_bytes, int(taken["buffer_bytes"]))
+        taken = fragment.stats.take()
+        self.stats.add_exchange(taken)
         self._payloads[0] += int(taken["bytes_sent"])
         self._payloads[1] += int(taken["values_sent"])
 
@@ -280,7 +347,7 @@ class OuterSync:
         self._wait(fragment)
         delta, fragment.pending, fragment.apply_at = fragment.pending, None, None
         assert delta is not None
-        config = self.settings
+        config = self.settings.outer
         if config.momentum:
             fragment.momentum.mul_(config.momentum).add_(delta)
             update = delta.add(fragment.momentum, alpha=config.momentum) if config.nesterov else fragment.momentum
@@ -324,8 +391,8 @@ class OuterSync:
         for fragment, flat in zip(self.fragments, flats):
             start = 0
             for param in fragment.params:
-                numel = _local(param).numel()
-                held[id(param)] = flat[start : start + numel].view_as(_local(param))
+                numel = local_shard(param).numel()
+                held[id(param)] = flat[start : start + numel].view_as(local_shard(param))
                 start += numel
         return held
 
@@ -357,20 +424,20 @@ class OuterSync:
 
     # --- figures ------------------------------------------------------------------------------------
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> SemiSyncFigures:
         """Synchronisations, the exchanges' time and the share of it the inner steps hid (1 - waited / exchanged)."""
         exchanged = sum(f.exchange_s for f in self.fragments)
+        delay = self.settings.outer.delay
         hidden = None
-        if exchanged and self.settings.delay:
+        if exchanged and delay:
             hidden = max(0.0, 1.0 - self.wait_s / exchanged)
         # bytes per value a gathered payload carries (positions, codes, scales: SparseLoCo's 1.8125), as measured
         gathered = self.compressor is not None and not getattr(self.compressor, "linear", False)
         sent_values = self._payloads[1] * (self.replicas - 1)
         per_value = self._payloads[0] / sent_values if gathered and sent_values else None
-        return {"outer_syncs": self.syncs, "outer_sync_s": exchanged, "outer_wait_s": self.wait_s,
-                "outer_bytes_per_value": per_value,
-                "outer_hidden_share": hidden if self.settings.delay else 0.0, "sync_every": self.sync_every,
-                "outer": self.settings.as_dict()}
+        return SemiSyncFigures(outer_syncs=self.syncs, outer_sync_s=exchanged, outer_wait_s=self.wait_s,
+                               outer_bytes_per_value=per_value, outer_hidden_share=hidden if delay else 0.0,
+                               sync_every=self.sync_every, outer=self.settings.outer.as_dict())
 
     # --- checkpoints --------------------------------------------------------------------------------
 
@@ -381,11 +448,11 @@ class OuterSync:
         if self._final_at == self.steps:  # the run ended on a synchronisation: what continues is from before it
             return {k: v for k, v in self._before_final.items() if not k.endswith("/local")}
         state: dict[str, torch.Tensor] = {"steps": torch.tensor(self.steps), "syncs": torch.tensor(self.syncs)}
-        for fragment, reducer in zip(self.fragments, self._reducers):
+        for fragment in self.fragments:
             name = f"fragment{fragment.index}"
             state[f"{name}/outer"] = fragment.outer.cpu().clone()
             state[f"{name}/momentum"] = fragment.momentum.cpu().clone()
-            state[f"{name}/calls"] = torch.tensor(reducer.mover.calls)
+            state[f"{name}/calls"] = torch.tensor(fragment.exchanges)
             if fragment.pending is not None:
                 state[f"{name}/pending"] = fragment.pending.cpu().clone()
                 state[f"{name}/apply_at"] = torch.tensor(fragment.apply_at)
@@ -398,7 +465,7 @@ class OuterSync:
         self.finish()
         self._final_at, self._before_final = None, {}
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
-        for fragment, reducer in zip(self.fragments, self._reducers):
+        for fragment in self.fragments:
             name = f"fragment{fragment.index}"
             if state[f"{name}/outer"].numel() != fragment.numel:
                 raise ValueError(f"the checkpoint's outer state of fragment {fragment.index} holds "
@@ -406,7 +473,7 @@ class OuterSync:
                                  "the same model, sharding and outer.fragments")
             fragment.outer.copy_(state[f"{name}/outer"])
             fragment.momentum.copy_(state[f"{name}/momentum"])
-            reducer.mover.calls = int(state[f"{name}/calls"])
+            fragment.exchanges = int(state[f"{name}/calls"])
             pending = state.get(f"{name}/pending")
             fragment.pending = None if pending is None else pending.to(self.device)
             fragment.apply_at = None if pending is None else int(state[f"{name}/apply_at"])
@@ -420,70 +487,3 @@ class _Uncompressed:
 
     compressing = False
 
-
-# --- what the strategy builds and checkpoints ------------------------------------------------------
-
-
-def outer_fragments(units: list[torch.nn.Module], config: OuterConfig) -> list[list[torch.Tensor]]:
-    """The trained parameters of each fragment: FSDP units (blocks first, the root last, as ``parallelize`` returns
-    them) taken in turn, unit u into fragment u mod ``config.fragments``; each parameter in the innermost unit holding it."""
-    config.check_units(len(units))
-    fragments = config.fragments
-    seen: set[int] = set()
-    out: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
-    for index, unit in enumerate(units):
-        for param in unit.parameters():
-            if id(param) not in seen and param.requires_grad:
-                seen.add(id(param))
-                out[index % fragments].append(param)
-    return out
-
-
-def replica_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                  held: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """This rank's shards of its replica's trained weights and optimizer state, which differ from the other
-    replicas' between synchronisations (a sharded checkpoint keeps one replica's): copies on the CPU. ``held``
-    (``OuterSync.replica_weights``): weights by parameter ``id`` to keep instead of the current ones."""
-    held = held or {}
-    state = {f"weights/{i}": held.get(id(p), _local(p)).detach().cpu().clone() for i, p in enumerate(_trained(model))}
-    for o, optimizer in enumerate(optimizers):
-        for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-            for key, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor):
-                    state[f"optimizer{o}/{i}/{key}"] = _local(value).detach().cpu().clone()
-    return state
-
-
-def load_replica_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                       state: dict[str, torch.Tensor]) -> None:
-    """Put ``replica_state``'s copies back into this rank's weights and optimizer state."""
-    with torch.no_grad():
-        for i, param in enumerate(_trained(model)):
-            _local(param).copy_(state[f"weights/{i}"])
-        for o, optimizer in enumerate(optimizers):
-            for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-                for key, value in optimizer.state.get(param, {}).items():
-                    saved = state.get(f"optimizer{o}/{i}/{key}")
-                    if isinstance(value, torch.Tensor) and saved is not None:
-                        _local(value).copy_(saved)
-
-
-def _trained(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def replicate_group(mesh: DeviceMesh, on_host: bool) -> dist.ProcessGroup:
-    """The process group the outer exchange runs on: the mesh's replicate group, or (``on_host``) a gloo group of
-    the same ranks of its own, which a thread may use while the training's collectives run (every rank builds
-    every shard position's group, in the same order)."""
-    if not on_host:
-        return mesh["replicate"].get_group()
-    ranks = mesh.mesh  # (replicate, shard) ranks
-    mine = None
-    for position in range(ranks.shape[1]):
-        members = ranks[:, position].tolist()
-        group = dist.new_group(members, backend="gloo")
-        if dist.get_rank() in members:
-            mine = group
-    assert mine is not None
-    return mine

@@ -133,7 +133,7 @@ class CausalLM(pl.LightningModule):
 
     def _check_lora_strategy(self) -> None:
         """Refuse LoRA on a strategy that would save the frozen base in every checkpoint (DDP)."""
-        from lit_fsdp.strategy import CausalLMStrategy  # FSDP2Strategy and offload.SlideFSDPStrategy
+        from lit_fsdp.lifecycle import CausalLMStrategy  # FSDP2Strategy and offload.SlideFSDPStrategy
 
         strategy = self._trainer.strategy if self._trainer is not None else None
         if strategy is not None and not isinstance(strategy, CausalLMStrategy):

@@ -8,13 +8,13 @@ run built without the CLI) through ``LightningStrategyReport``, which has no com
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import lightning.pytorch as pl
 import torch
 
 if TYPE_CHECKING:
-    from compress.communicator import CommStats
     from compress.config import CompressionConfig
 
 
@@ -37,23 +37,55 @@ class OffloadReport(Protocol):
         """What the host-memory preflight counted for the same buffers, per node, by buffer."""
 
 
+class CommCounters(Protocol):
+    """A compression's counters as ``callbacks.CompressionStats`` reads them, once per optimizer step: the hooks'
+    ``compress.communicator.CommStats``, or the outer exchanges' ``lit_fsdp.diloco.ExchangeCounters``."""
+
+    #: Set on the steps CompressionStats samples the decoded gradient's error against the gradient.
+    sampling: bool
+
+    def take(self) -> dict[str, float]:
+        """Every counter since the last take (``CommStats``' fields; ``bytes_raw`` is what per-step float32 gradient
+        collectives would send), then zero."""
+
+
 class CompressionReport(Protocol):
     """What ``callbacks.CompressionStats`` reads of the strategy's compression: the per-step hook
     (``compress.hook.GradientCompression``) or semi-synchronous training's outer exchange (``lit_fsdp.diloco.OuterSync``)."""
 
     #: The codec's configuration (method, parameters, warm-up).
     config: CompressionConfig
-    #: This rank's counters; ``bytes_raw`` is what per-step float32 gradient collectives would send.
-    stats: CommStats
+    #: This rank's counters.
+    stats: CommCounters
     #: The built codec (its residuals, for error feedback); None for ``none``.
     compressor: Any
 
-    def figures(self) -> dict[str, Any]:
-        """Run figures for the results record beyond the counters (the outer synchronisations'); {} for none."""
+
+@dataclass(frozen=True)
+class SemiSyncFigures:
+    """What semi-synchronous training (``lit_fsdp.semi_sync.SemiSync``) tells ``callbacks.CompressionStats`` about the
+    run, beside the exchanges' counters; the field names are the results record's keys."""
+
+    #: Synchronisations of a fragment (of the model, without streaming), the run's final one included.
+    outer_syncs: int
+    #: Seconds the exchanges took, on the exchange thread or in line.
+    outer_sync_s: float
+    #: Seconds the training waited for them.
+    outer_wait_s: float
+    #: Bytes a gathered payload spent per value it carried (positions, codes, scales); None for ``none``, ``fp16``,
+    #: ``bf16`` and payloads added on the wire.
+    outer_bytes_per_value: float | None
+    #: 1 - waited / exchanged with ``outer.delay`` (None before any exchange); 0 without.
+    outer_hidden_share: float | None
+    #: Inner optimizer steps between two synchronisations of a fragment.
+    sync_every: int
+    #: The outer step's settings (``lit_fsdp.diloco.OuterConfig.as_dict``).
+    outer: dict[str, Any]
 
 
 class StrategyReport(ABC):
-    """The figures a strategy gives the callbacks (``callbacks/``): its name, compression, dtype and offload."""
+    """The figures a strategy gives the callbacks (``callbacks/``): its name, compression, dtype, offload and
+    semi-synchronous training."""
 
     #: The strategy's name in results records and sweeps (``ddp``, ``fsdp2``, ``slide_fsdp``, ...).
     label: str
@@ -77,6 +109,10 @@ class StrategyReport(ABC):
 
     def offload_report(self) -> OffloadReport | None:
         """The layer streaming's figures, None for a strategy that streams nothing (or before its engine is built)."""
+        return None
+
+    def semi_sync_figures(self) -> SemiSyncFigures | None:
+        """Semi-synchronous training's run figures, None for a strategy that synchronises every step."""
         return None
 
 

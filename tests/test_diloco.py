@@ -1,4 +1,4 @@
-"""Semi-synchronous training (issue 30): ``lit_fsdp.diloco.OuterSync`` against a reference loop written from the
+"""Semi-synchronous training: ``lit_fsdp.diloco.OuterSync`` against a reference loop written from the
 DiLoCo paper, replicas identical after each synchronisation, streaming fragments, codecs and refusals."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from compress.config import CompressionConfig
-from lit_fsdp.diloco import OuterConfig, OuterSync
+from lit_fsdp.diloco import OuterConfig, OuterSync, SemiSyncConfig
 from lit_fsdp.strategy import FSDP2Strategy
 from lit_fsdp.errors import OneLineError
 from tests.distributed import fit_in_process, run
@@ -76,7 +77,7 @@ def _train(rank: int, world: int, outer: dict, fragments_of: list[int], steps: i
     optimizer = torch.optim.AdamW(params, lr=0.05)
     config = OuterConfig(**outer)
     fragments = [[params[i] for i in range(len(params)) if fragments_of[i] == f] for f in range(config.fragments)]
-    sync = OuterSync(config, H, fragments, dist.new_group(backend="gloo"), torch.device("cpu"))
+    sync = OuterSync(SemiSyncConfig(H, config), fragments, dist.new_group(backend="gloo"), torch.device("cpu"))
     after_sync = []
     for step in range(1, steps + 1):
         inner_step(params, optimizer, rank, step)
@@ -85,7 +86,7 @@ def _train(rank: int, world: int, outer: dict, fragments_of: list[int], steps: i
             after_sync.append([p.detach().clone() for p in params])
     sync.close()
     return {"params": [p.detach() for p in params], "after_sync": after_sync, "stats": sync.stats.take(),
-            "figures": sync.figures(), "outer": [f.outer.clone() for f in sync.fragments]}
+            "figures": asdict(sync.figures()), "outer": [f.outer.clone() for f in sync.fragments]}
 
 
 # name: (outer settings, each parameter's fragment, steps); run one after another in one spawn of 3 processes
@@ -160,7 +161,7 @@ def test_impossible_outer_settings_are_one_line(outer, message):
 ])
 def test_outer_settings_that_do_not_fit_sync_every_are_one_line(outer, message):
     with pytest.raises(OneLineError, match=message):
-        OuterConfig(**outer).check(H)
+        SemiSyncConfig(H, OuterConfig(**outer))
 
 
 # --- through the strategy and the CLI -------------------------------------------------------------------------
@@ -237,7 +238,8 @@ class WeightsAndOuter(pl.Callback):
         return [float(p.full_tensor().double().sum()) for p in pl_module.model.parameters()]
 
     def on_train_start(self, trainer, pl_module):
-        sync = getattr(trainer.strategy, "outer_sync", None)
+        semi_sync = getattr(trainer.strategy, "semi_sync", None)
+        sync = None if semi_sync is None else semi_sync.outer_sync
         self.record = {"start": self.sums(pl_module), "outer_is_weights": None if sync is None else all(
             torch.equal(f.outer, f.local_flat(f.outer.device)) for f in sync.fragments)}
 

@@ -1,4 +1,4 @@
-"""Semi-synchronous training measured fairly (issue 36): a run ends on a synchronisation and its byte ratio is what the
+"""Semi-synchronous training measured fairly: a run ends on a synchronisation and its byte ratio is what the
 collectives moved; validation scores the replicas' average; SparseLoCo as published against a reference written from
 the paper; 16-bit pseudo-gradients added in float32."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import compress.communicator as communicator
 from compress.communicator import CommStats, CompressedAllReduce
 from compress.config import CompressionConfig
-from lit_fsdp.diloco import OuterConfig, OuterSync
+from lit_fsdp.diloco import OuterConfig, OuterSync, SemiSyncConfig
 from tests.distributed import fit_in_process, run
 from tests.helpers import REPO, fit_arguments
 from tests.test_diloco import STRATEGY, initial, inner_step
@@ -105,7 +106,7 @@ def _outer_run(rank: int, outer: dict, fragments_of: list[int], steps: int) -> d
     optimizer = torch.optim.AdamW(params, lr=0.05)
     config = OuterConfig(**outer)
     fragments = [[params[i] for i in range(len(params)) if fragments_of[i] == f] for f in range(config.fragments)]
-    sync = OuterSync(config, H, fragments, dist.new_group(backend="gloo"), torch.device("cpu"))
+    sync = OuterSync(SemiSyncConfig(H, config), fragments, dist.new_group(backend="gloo"), torch.device("cpu"))
     for step in range(1, steps + 1):
         inner_step(params, optimizer, rank, step)
         sync.after_step()
@@ -115,7 +116,7 @@ def _outer_run(rank: int, outer: dict, fragments_of: list[int], steps: int) -> d
     checkpoint = sync.state_dict()
     sync.close()
     return {"params": [p.detach().clone() for p in params], "before": before, "stats": sync.stats.take(),
-            "figures": sync.figures(), "counted": counted.sent, "checkpoint_steps": int(checkpoint["steps"]),
+            "figures": asdict(sync.figures()), "counted": counted.sent, "checkpoint_steps": int(checkpoint["steps"]),
             "checkpoint_syncs": int(checkpoint["syncs"])}
 
 

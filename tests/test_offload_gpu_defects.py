@@ -160,7 +160,7 @@ def test_activation_buffers_are_exact_regions_registered_in_place_and_unpinned_a
     assert registered[store.host[2].data_ptr()] == 4_000
     assert state.buffer_bytes(count_shared=True)["activations"] == 12_000 + 4_000
 
-    from lit_fsdp.strategy import CausalLMStrategy
+    from lit_fsdp.lifecycle import CausalLMStrategy
 
     monkeypatch.setattr(CausalLMStrategy, "teardown", lambda self: None)  # no process group to end here
     strategy = SlideFSDPStrategy()

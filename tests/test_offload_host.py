@@ -52,7 +52,7 @@ def test_teardown_unpins_the_staging_copy_and_the_gradient_ring_once(monkeypatch
     _, layout, _ = _unit([(6, 5), (6,)])
     state = host.HostState([layout], torch.bfloat16, torch.bfloat16, full_staging=True, keep_gradients=False,
                            incoming_full=False, ring_size=2, pin=True, shared=None)
-    from lit_fsdp.strategy import CausalLMStrategy
+    from lit_fsdp.lifecycle import CausalLMStrategy
 
     monkeypatch.setattr(CausalLMStrategy, "teardown", lambda self: None)  # no process group to end here
     strategy = SlideFSDPStrategy()

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_fsdp.strategy import FSDP2Strategy, process_group_backend, resolve_dtype
+from lit_fsdp.lifecycle import process_group_backend, resolve_dtype
+from lit_fsdp.strategy import FSDP2Strategy
 from lit_fsdp.commands.tune.memory import compute_dtype
 from lit_fsdp.commands.tune.space import Candidate
 from offload import SlideFSDPStrategy

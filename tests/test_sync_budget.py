@@ -1,4 +1,4 @@
-"""Host synchronisations: the ``SyncCounter`` helper, and the budget of every compression hook (issue 17).
+"""Host synchronisations: the ``SyncCounter`` helper, and the budget of every compression hook.
 
 A CUDA step overlaps communication with compute only while the host runs ahead of the device; every
 ``.item()``, ``.tolist()``, data-dependent shape or device wait in a hook stalls it. On 2 gloo processes,

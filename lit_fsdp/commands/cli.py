@@ -25,7 +25,7 @@ from lit_fsdp.ddp import DDPStrategy
 from lit_fsdp.errors import PeerLostError, lost_peer
 from lit_fsdp.commands.help import PlainHelpFormatter
 from lit_fsdp.model import CausalLM
-from lit_fsdp.strategy import CausalLMStrategy
+from lit_fsdp.lifecycle import CausalLMStrategy
 from lit_fsdp.wandb_logger import CSVFallbackLogger, SaveConfig, WandbLogger, default_logger, without_broken_wandb
 
 TRAINER_DEFAULTS = {

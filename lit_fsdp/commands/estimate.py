@@ -37,7 +37,7 @@ from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
 from lit_fsdp.lora import adapter_parameters, trained_matrices
 from lit_fsdp.commands.help import plain
 from lit_fsdp.device_peaks import device_peaks, matmul_format
-from lit_fsdp.strategy import CausalLMStrategy
+from lit_fsdp.lifecycle import CausalLMStrategy
 from lit_fsdp.commands.tune.command import default_candidate, parse_options, run_shape, split_arguments
 from lit_fsdp.commands.tune.hardware import Hardware, detect, load
 from lit_fsdp.commands.tune.memory import GIB, ModelShape, compute_dtype, estimate as device_estimate
@@ -230,6 +230,8 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     compute = compute_dtype(candidate, hardware.accelerator)
     reduce = strategy.resolve_dtype(strategy.reduce_dtype, fallback=compute)
     compression = getattr(strategy, "compression", None)
+    semi = getattr(strategy, "semi_sync", None)  # FSDP2's semi-synchronous training: H and the outer step
+    semi_sync = None if semi is None else semi.config
     memory = device_estimate(candidate, model, run, base_compression=asdict(compression) if compression else None)
     processes = run.processes_per_node
     device = {"model_states": memory.model_states, "compression_state": memory.compression,
@@ -245,15 +247,15 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         host = {"model_states": memory.host_per_node} if candidate.cpu_offload else {}
         traffic = fsdp2_traffic(trainer, candidate, model.parameters, model.trained, compute, reduce)
         update_bytes = 0
-        if getattr(strategy, "sync_every", 0):  # semi-synchronous: the outer state, and an exchange every H steps
+        if semi_sync is not None:  # semi-synchronous: the outer state, and an exchange every H steps
             replicas, shard = strategy.mesh_shape(run.world_size, trainer.num_nodes)
             trained = -(-model.trained // shard)
-            outer = outer_state_bytes(strategy.outer, trained)
-            if strategy.outer.state_device == "cpu":
+            outer = outer_state_bytes(semi_sync.outer, trained)
+            if semi_sync.outer.state_device == "cpu":
                 host["outer_state"] = outer * processes
             else:
                 device["outer_state"] = outer
-            traffic["all_reduce"] = exchange_bytes(strategy.outer, strategy.sync_every, trained, replicas)
+            traffic["all_reduce"] = exchange_bytes(semi_sync, trained, replicas)
     host = with_runtime(host, processes)
     model_flops = tokens * flops_per_token(config, data.seq_len, adapter_parameters(config, lora) if lora else None,
                                            trained_matrices(config, lora))
@@ -305,7 +307,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         "device_peak_bytes": device_total, "device_by_component": device, "device_memory_bytes": int(device_memory),
         "fits": device_total <= device_memory and host_total <= hardware.host_memory_gb * GIB,
         "h2d_bytes": traffic["h2d"], "d2h_bytes": traffic["d2h"], "network_bytes": network,
-        "semi_synchronous": bool(getattr(strategy, "sync_every", 0)),
+        "semi_synchronous": semi_sync is not None,
         "cpu_update_bytes": update_bytes, "model_flops": model_flops, "flops": flops, "times": times,
         "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu, "mfu_peak_tflops": mfu_peak,
         "compute_efficiency": hardware.compute_efficiency, "step_model": step_model,

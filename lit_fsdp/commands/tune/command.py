@@ -139,7 +139,7 @@ def run_shape(trainer: pl.Trainer, module: Any, data: Any, hardware: Hardware) -
                    optimizer_state_dtype=getattr(trainer.strategy, "optimizer_state_dtype", "float32"),
                    # SlideFSDP's; a SlideFSDP candidate from FSDP2 configs gets the strategy's default
                    reduce_dtype=trainer.strategy.reduce_dtype if isinstance(trainer.strategy, SlideFSDPStrategy) else "auto",
-                   outer=trainer.strategy.outer if getattr(trainer.strategy, "sync_every", 0) else None,
+                   outer=semi.config.outer if (semi := getattr(trainer.strategy, "semi_sync", None)) else None,
                    on_nonfinite=trainer.strategy.on_nonfinite)
     if accelerator != hardware.accelerator:
         raise ValueError(f"the configs train on {accelerator} but the hardware is {hardware.accelerator}; "

@@ -60,7 +60,8 @@ from lit_fsdp.flops import matmul_shape
 from lit_fsdp.lora import LoraConfig, adapted, as_config, attach
 from lit_fsdp.loss import loss_bytes
 from lit_fsdp.parallelize import find_blocks
-from lit_fsdp.strategy import model_state_bytes, resolve_dtype
+from lit_fsdp.lifecycle import resolve_dtype
+from lit_fsdp.strategy import model_state_bytes
 from lit_fsdp.commands.tune.hardware import Hardware
 from lit_fsdp.commands.tune.space import Candidate, RunShape
 from offload.host_memory import UnitSize

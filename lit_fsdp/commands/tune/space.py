@@ -17,7 +17,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from compress.config import METHODS, CompressionConfig
 from lit_fsdp.diloco import OuterConfig
-from lit_fsdp.strategy import DType, Sharding
+from lit_fsdp.lifecycle import DType
+from lit_fsdp.strategy import Sharding
 from offload.strategy import SlideFSDPStrategy
 
 _SLIDE_TYPES = get_type_hints(SlideFSDPStrategy.__init__)
