@@ -27,7 +27,9 @@ class OffloadStats(pl.Callback):
     buffer) and on the host (waits included). A CPU-bound step shows a host backward near the update
     time, a device backward far below it, and a low hidden share. Beside them: the device's idle time inside
     the backward (``device_idle_ms``), the hideable share (device backward / update: what the update could
-    hide under the backward alone) and the host's wait for updates at the optimizer step (``update_wait_ms``). On a CPU "device" the computing
+    hide under the backward alone) and the host's wait for updates at the optimizer step (``update_wait_ms``); with
+    ``speculative_update``, the steps rolled back at their validation (``rollbacks``, ``rollback_share``, and
+    ``rollback_ms``, the mean time of one's undo and redo; the summary counts the warm-up steps too). On a CPU "device" the computing
     thread is the device: host times, its waits for a buffer left out of the device's. The record also
     gets the node's host state (master weights, moments, staging copy, kept gradients, activations) in
     GB and per billion parameters.
@@ -54,7 +56,16 @@ class OffloadStats(pl.Callback):
             return
         step = offload.last_step
         self.steps.append(step)
-        log_metrics(trainer, {f"offload/{key}": value for key, value in self._figures([step]).items()})
+        figures = {**self._figures([step]), **self._rollbacks([step])}
+        log_metrics(trainer, {f"offload/{key}": value for key, value in figures.items()})
+
+    @staticmethod
+    def _rollbacks(steps: list[Any]) -> dict[str, float]:
+        """``speculative_update``: the steps undone at their validation (clipping or the guard fired), their share
+        of the steps and the mean time of one (undo and redo)."""
+        rolled = [s for s in steps if s.rolled_back]
+        return {"rollbacks": len(rolled), "rollback_share": len(rolled) / len(steps),
+                "rollback_ms": statistics.fmean(s.rollback_s for s in rolled) * 1000 if rolled else 0.0}
 
     @staticmethod
     def _figures(steps: list[Any]) -> dict[str, float]:
@@ -100,6 +111,7 @@ class OffloadStats(pl.Callback):
             return {}
         steps = self.steps[self.warmup_steps :] or self.steps
         record = {f"offload_{key}": value for key, value in self._figures(steps).items()}
+        record.update({f"offload_{key}": value for key, value in self._rollbacks(self.steps).items()})  # warm-up too
         record["offload_update_threads"] = offload.update_threads_reason  # how many, and why
         record.update(self._host_state())
         return record

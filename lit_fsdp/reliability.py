@@ -101,6 +101,7 @@ class NonFiniteGuard:
         step = self.lightning_module.trainer.global_step + 1
         what = f"a non-finite loss or gradient at optimizer step {step} (gradient norm {'not computed' if norm is None else float(norm)})"
         if self.on_nonfinite == "stop":
+            self.drop_gradients(optimizer)  # an update already applied (SlideFSDP's speculative one) is undone first
             raise NonFiniteError(
                 f"{what}; no update and no checkpoint were made from it: lower --model.learning_rate, or set "
                 "--trainer.strategy.init_args.on_nonfinite skip_step to skip such steps"

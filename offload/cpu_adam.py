@@ -204,13 +204,20 @@ class CpuAdam:
         """The AdamW step of elements ``[start, stop)`` of ``unit``'s shard (``gradient`` holds theirs, in the shard
         layout, to be multiplied by ``grad_scale``): the parts of the pieces that lie there, padding skipped. A piece's step count advances with its
         last elements, so the ranges of one step may come in any number of calls, in order."""
+        spans = [(index, (first - begins, last - begins), gradient[first - start : last - start])
+                 for index, begins, first, last in self.spans(unit, start, stop)]
+        self._step(unit, spans, staging, grad_scale)
+
+    def spans(self, unit: int, start: int, stop: int) -> list[tuple[int, int, int, int]]:
+        """The pieces of ``unit`` that elements ``[start, stop)`` of its shard cover, padding skipped: (piece index,
+        where the piece begins in the shard, the first and the last covered element in the shard)."""
         spans = []
         for index, piece in enumerate(self.pieces[unit]):
             begins = self.layouts[unit].places[index].shard_offset
             first, last = max(start, begins), min(stop, begins + piece.numel())
             if first < last:
-                spans.append((index, (first - begins, last - begins), gradient[first - start : last - start]))
-        self._step(unit, spans, staging, grad_scale)
+                spans.append((index, begins, first, last))
+        return spans
 
     def _step(self, unit: int, spans: list[tuple[int, tuple[int, int] | None, torch.Tensor]],
               staging: list[torch.Tensor | None], grad_scale: float = 1.0) -> None:

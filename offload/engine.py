@@ -15,7 +15,8 @@
   first the global norm, then every update (the updates cannot start before the norm is known: that
   overlap is lost), unless they are delayed by one step (``delayed_update``, ZeRO-Offload's DPU): then the
   step's updates are queued with the norm known and run during the next step's forward and backward, which
-  computes with weights one update old (``offload.gradients``). The step's figures (``OffloadStep``) are read
+  computes with weights one update old (``offload.gradients``); or speculative (``offload.speculation``): the updates
+  ran during the backward and the norm validates them, undoing them if clipping or the guard fires. The step's figures (``OffloadStep``) are read
   then; the CPU update's hidden part is measured against the device's backward (``offload.transfers.BackwardClock``),
   and, delayed, against the forward and backward that the host ran before it waited for the updates.
 """
@@ -56,6 +57,8 @@ class OffloadStep:
     device_backward_s: float  # the device's compute: its span on the compute stream less its idle gaps at those waits
     device_idle_s: float = 0.0  # the device's idle gaps inside the backward, waiting for a gradient buffer
     update_wait_s: float = 0.0  # the host's wait at the optimizer step for CPU updates still running
+    rolled_back: bool = False  # a speculative step undone at its validation (clipping or the guard fired)
+    rollback_s: float = 0.0  # the undo and the redo of its updates
 
 
 def overlap(interval: tuple[float, float], window: tuple[float, float]) -> float:
@@ -259,13 +262,14 @@ class SlideEngine:
                 self.gradients.apply_delayed()
                 adam.wait_intervals.clear()  # the next step waits for nothing
         self.step_began = time.perf_counter()
+        rolled_back, rollback_s = self.gradients.take_rollback()
         step = OffloadStep(
             h2d_bytes=totals.h2d_bytes, h2d_s=totals.h2d_s, d2h_bytes=totals.d2h_bytes, d2h_s=totals.d2h_s,
             cpu_update_s=update_s, cpu_update_hidden_s=hidden,
             host_backward_s=sum(b.host[1] - b.host[0] for b in backwards),
             device_backward_s=sum(b.device_s for b in backwards),
             device_idle_s=sum(end - start for start, end in idle),
-            update_wait_s=sum(end - start for start, end in waits),
+            update_wait_s=sum(end - start for start, end in waits), rolled_back=rolled_back, rollback_s=rollback_s,
         )
         self.last_step = step
         return step

@@ -17,6 +17,11 @@ They update the master and moments only: the device may still load the unit from
 the unit's staging rows are rewritten from the master when its next gradient reaches the host (its last load of the
 step is over then, on every rank: the gradient's collective shows it).
 
+A speculative update (``UpdateSchedule.speculate``, ``offload.speculation``) runs each update on arrival, its rows
+backed up first, and keeps the gradient it took (its piece's buffer, or the fp32 copy accumulation keeps) and adds
+its squared norm to the step's; at the optimizer step ``validate`` lets the step stand, or undoes it and redoes it
+clipped, or undoes it for the guard; then the held buffers go back to the ring.
+
 Non-finite gradients (``UpdateSchedule.check_units_finite``): with ``gpu_reduce`` the device sums the reduced shard
 and sends whether the sum is finite as one more element of the copy, so the host reads no gradient twice (on a GPU
 the check costs a reduction at device bandwidth, and no host sync); with ``cpu_reduce`` the host sums it.
@@ -37,6 +42,7 @@ from offload.cpu_adam import CHUNK, CpuAdam
 from offload.host import HostState
 from offload.host_memory import FLAG_ELEMENTS, pieces
 from offload.schedule import UpdateSchedule
+from offload.speculation import SpeculativeBackup
 from offload.transfers import Event, Transfers
 
 
@@ -109,7 +115,7 @@ class GradientPipeline:
         """
         Args:
             layouts: Every unit's trained parameters, blocks then the root (the last).
-            adam: The CPU optimizer; None when not fitting (nothing is updated).
+            adam: The CPU optimizer; None when not fitting (nothing is updated; ``attach`` gives it).
             shard_group: The node's ranks (reduce-scatter); replicate_group: the same shard on every node.
             host_group: A gloo group of all ranks used only from the worker thread (``cpu_reduce``).
             schedule: When the updates run (``offload.schedule``). With ``check_units_finite`` each unit's gradients
@@ -118,7 +124,7 @@ class GradientPipeline:
                 next step's update (module docstring), its squared norm added to ``squared_norm`` on arrival with
                 ``norms_on_arrival``.
         """
-        self.layouts, self.host, self.adam, self.transfers = layouts, host, adam, transfers
+        self.layouts, self.host, self.transfers = layouts, host, transfers
         self.gpu_reduce = gpu_reduce
         self.reduce_dtype = reduce_dtype
         self.world_size, self.shard_rank = world_size, shard_rank
@@ -137,6 +143,12 @@ class GradientPipeline:
         self.squared_norm = 0.0  # of this step's gradient on this rank (``norms``)
         self.scale = 1.0  # clipping's coefficient for this step's delayed updates
         self.stale: set[int] = set()  # units whose master was updated and whose staging rows were not rewritten yet
+        self.attach(adam)
+
+    def attach(self, adam: CpuAdam | None) -> None:
+        """Update with ``adam`` from now on; a speculative schedule's backup is allocated with it (at setup)."""
+        self.adam = adam
+        self.speculation = SpeculativeBackup(adam, self.host) if adam is not None and self.schedule.speculate else None
 
     def reduce_and_offload(self, unit: int, part: int, gradients: list[torch.Tensor | None], update_now: bool) -> None:
         """Send a part of ``unit``'s full gradients (device, one per parameter of the part; None counts as zero) to the
@@ -196,8 +208,8 @@ class GradientPipeline:
         except Exception as error:
             release()
             raise host_update_error(unit, error) from error
-        if not (self.schedule.delay and self.arriving[unit] and self.arriving[unit][-1][3] is incoming):
-            release()  # a delayed update's piece keeps its buffer until the update
+        if not (self.schedule.holds_pieces and self.arriving[unit] and self.arriving[unit][-1][3] is incoming):
+            release()  # a delayed update's piece keeps its buffer until the update, a speculative one's until validated
 
     def _apply_on_host(self, unit: int, start: int, stop: int, incoming: torch.Tensor, copied: Event, update_now: bool,
                        release) -> None:
@@ -237,10 +249,15 @@ class GradientPipeline:
                 self.update(unit)
             return
         self._step(unit, start, stop, shard, finite)  # a bfloat16 gradient is read as it is, chunk by chunk (offload.cpu_adam)
+        if self.speculation is not None:  # held for a redo until the optimizer step validates the step
+            self.squared_norm += squared_norm(shard)
+            self.arriving[unit].append((start, stop, shard, buffer))
 
     def update(self, unit: int) -> None:
         """Apply the kept gradient of ``unit`` (worker thread or idle worker)."""
         try:
+            if self.speculation is not None:  # the sum of the micro-batches' gradients: its norm only now
+                self.squared_norm += squared_norm(self.host.gradients[unit])
             self._step(unit, 0, self.layouts[unit].shard_numel, self.host.gradients[unit],
                        self.finite[unit] if self.flag_elements else None)
         except Exception as error:
@@ -257,6 +274,8 @@ class GradientPipeline:
             if not finite:
                 self.nonfinite_units.add(unit)
                 return
+        if self.speculation is not None:
+            self.speculation.keep(unit, start, stop, gradient)
         self.adam.update_rows(unit, gradient, start, stop, self.host.staging_targets(unit))
 
     def take_nonfinite(self) -> int:
@@ -265,16 +284,39 @@ class GradientPipeline:
         withheld, self.nonfinite_units = self.nonfinite_units, set()
         return len(withheld)
 
-    def discard(self) -> None:
+    def discard(self, undo: bool = False) -> None:
         """Forget the gradients of this step: the optimizer step then updates nothing (the last step's delayed
-        updates, already applied by then, are kept)."""
+        updates, already applied by then, are kept); ``undo``: roll back this step's speculative updates too (the
+        guard skips the step)."""
         self.adam.wait()
+        if undo and self.speculation is not None:
+            self.speculation.undo()
         self.received = [0] * len(self.layouts)
+        self._release_held()
+        self.squared_norm = 0.0
+
+    def _release_held(self) -> None:
         for unit, held in enumerate(self.arriving):
             for *_, buffer in held:
                 self.host.incoming.release(buffer)
             self.arriving[unit] = []
-        self.squared_norm = 0.0
+
+    def validate(self, max_norm: float | None, norm_group: dist.ProcessGroup | None, on_nonfinite: str) -> torch.Tensor:
+        """A speculative step's global norm (``delayed_norm``); the step stands, or is undone and redone with the
+        clipping coefficient, or undone where the norm is not finite and the guard (``on_nonfinite``) does not let
+        it through (``offload.speculation``). The held gradients go back to the ring."""
+        total = self.delayed_norm(max_norm, norm_group)
+        self.speculation.settle(stands=bool(torch.isfinite(total)) or on_nonfinite == "warn", scale=self.scale)
+        self._release_held()
+        return total
+
+    def speculation_bytes(self) -> int:
+        """Host bytes of the speculative update's backup (0 without one)."""
+        return self.speculation.nbytes() if self.speculation is not None else 0
+
+    def take_rollback(self) -> tuple[bool, float]:
+        """Whether this step's speculative updates were rolled back, and the seconds it took (redos included)."""
+        return self.speculation.end_step() if self.speculation is not None else (False, 0.0)
 
     # --- at the optimizer step -------------------------------------------------------------------
 
@@ -284,7 +326,8 @@ class GradientPipeline:
 
     def delayed_norm(self, max_norm: float | None, norm_group: dist.ProcessGroup | None) -> torch.Tensor | None:
         """This step's global gradient norm from the pieces' squared norms (None if not summed: no clipping and
-        ``on_nonfinite: warn``), and the clipping coefficient its delayed updates will take if ``max_norm``."""
+        ``on_nonfinite: warn``), and the clipping coefficient its delayed (or redone speculative) updates take if
+        ``max_norm``."""
         self.adam.wait()
         self.scale = 1.0
         if not self.schedule.norms_on_arrival:

@@ -68,17 +68,19 @@ class HostSetup:
     gradient_slots: int | None = None  # gradient buffers per rank; None: ``gradient_slots`` chooses
     holds_step: bool = False  # delayed_update: a step's gradients wait in their buffers for the next step
     offloaded_activation_bytes: int = 0  # per rank: checkpointed block inputs kept on the host
+    speculate: bool = False  # speculative_update: rows backed up before each update; gradients kept to the step's end
 
     @classmethod
     def of_knobs(cls, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, optimizer_state_dtype: torch.dtype,
                  processes: int, param_transfer: str, grad_sync: str, window: int, keep_gradients: bool,
                  offloaded_activation_bytes: int = 0, gradient_slots: int | None = None,
-                 delayed_update: bool = False) -> "HostSetup":
-        """The setup SlideFSDP's knobs give (``offload.SlideFSDPStrategy`` and the tuner's candidates)."""
+                 delayed_update: bool = False, speculate: bool = False) -> "HostSetup":
+        """The setup SlideFSDP's knobs give (``offload.SlideFSDPStrategy`` and the tuner's candidates); ``speculate``:
+        the schedule's (``speculative_update`` where clipping or the guard could undo a step)."""
         return cls(compute_dtype, reduce_dtype, optimizer_state_dtype, processes, full_staging=param_transfer == "full",
                    keep_gradients=keep_gradients, incoming_full=grad_sync == "cpu_reduce", window=window,
                    gradient_slots=gradient_slots, holds_step=delayed_update,
-                   offloaded_activation_bytes=offloaded_activation_bytes)
+                   offloaded_activation_bytes=offloaded_activation_bytes, speculate=speculate)
 
 
 #: Piece sizes are multiples of this many elements: a piece then starts where a whole update's vector lanes would, and
@@ -121,17 +123,22 @@ def gradient_slots(units: Sequence[UnitSize], setup: HostSetup) -> int:
       (the updates may run behind the backward);
     - ``delayed_update`` holds each piece until the next step's update of it: a backward's pieces, and ``max(2,
       window)`` more for the next backward's first pieces while the first updates run. Fewer than a backward's
-      pieces and one would wait forever, and are refused.
+      pieces and one would wait forever, and are refused;
+    - a speculative update with no fp32 copy holds each piece until the optimizer step validates the step: fewer
+      than a backward's pieces would wait forever, and are refused.
     """
     if setup.incoming_full:  # whole gradients: one piece per unit that trains
         per_step = sum(1 for unit in units if unit.part_sizes())
     else:
         per_step = pieces_per_step(units, piece_capacity(units, False, setup.processes))
-    least = per_step + 1 if setup.holds_step else 1
+    held = setup.speculate and not setup.keep_gradients  # a speculative step's pieces wait for its validation
+    least = per_step + 1 if setup.holds_step else per_step if held else 1
     if setup.gradient_slots is not None:
         if setup.gradient_slots < least:
             why = (f"delayed_update holds one step's {per_step} gradient pieces until the next step's updates, so it "
-                   f"needs at least {least}" if setup.holds_step else "at least 1 is needed")
+                   f"needs at least {least}" if setup.holds_step else
+                   f"speculative_update holds one step's {per_step} gradient pieces until the step is validated, so "
+                   f"it needs at least {least}" if held else "at least 1 is needed")
             raise GradientSlotsError(f"SlideFSDP gradient_slots={setup.gradient_slots}: {why}; set gradient_slots >= "
                                      f"{least}, or null to have it chosen")
         return setup.gradient_slots
@@ -157,6 +164,9 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
         "kept_gradients": ranks * trained_shard * 4 if setup.keep_gradients else 0,
         "gradient_ring": ranks * gradient_slots(units, setup) * incoming * setup.reduce_dtype.itemsize,
         "activations": ranks * setup.offloaded_activation_bytes,
+        # speculative_update: each rank's master rows and both moments as they were before the step's update
+        "speculation_backup": (ranks * trained_shard * (4 + 2 * setup.optimizer_state_dtype.itemsize)
+                               if setup.speculate else 0),
     }
     return parts
 

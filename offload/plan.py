@@ -98,10 +98,12 @@ class SlidePlan:
     run: SlideRun
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    speculative_update: bool = False  # a knob, last for the callers that predate it
 
     @cached_property
     def schedule(self) -> UpdateSchedule:
-        return UpdateSchedule.of(self.delayed_update, self.run.clipping, self.run.accumulation, self.on_nonfinite)
+        return UpdateSchedule.of(self.delayed_update, self.run.clipping, self.run.accumulation, self.on_nonfinite,
+                                 self.speculative_update)
 
     def check_knobs(self) -> None:
         """Refuse knobs that cannot work together on this run's devices (no model needed)."""
@@ -124,12 +126,14 @@ class SlidePlan:
                 "GPUs sends each rank only its 1/N; use grad_sync: gpu_reduce"
             )
 
-    def activation_bytes(self, layers: int, micro_batch: int, seq_len: int, hidden: int) -> int:
-        """One rank's checkpointed block inputs kept on the host (``activation_offload: cpu``) for ``layers`` blocks
-        and micro-batches of ``micro_batch`` x ``seq_len`` tokens of ``hidden`` features."""
-        if self.activation_offload != "cpu":
+    def activation_bytes(self, units: Sequence[UnitSize], module: Any, datamodule: Any) -> int:
+        """One rank's checkpointed block inputs kept on the host (``activation_offload: cpu``) for the blocks of
+        ``units`` (blocks, then the root), micro-batches of ``datamodule``'s size (None: unknown, not counted) and
+        ``module``'s hidden size."""
+        if self.activation_offload != "cpu" or datamodule is None:
             return 0
-        return offloaded_activation_bytes(layers, self.activation_checkpointing, micro_batch, seq_len, hidden,
+        return offloaded_activation_bytes(len(units) - 1, self.activation_checkpointing, datamodule.batch_size,
+                                          datamodule.seq_len, module.hf_config(datamodule).hidden_size,
                                           self.compute_dtype)
 
     def setup(self, activation_bytes: int = 0) -> HostSetup:
@@ -137,7 +141,7 @@ class SlidePlan:
         return HostSetup.of_knobs(self.compute_dtype, self.reduce_dtype, self.optimizer_state_dtype,
                                   self.run.processes_per_node, self.param_transfer, self.grad_sync, self.window,
                                   self.schedule.keep_gradients, activation_bytes, self.gradient_slots,
-                                  self.delayed_update)
+                                  self.delayed_update, self.schedule.speculate)
 
     def ring_slots(self, units: Sequence[UnitSize]) -> int:
         """Gradient buffers per rank for ``units`` (``offload.host_memory.gradient_slots``; refuses too few)."""
@@ -155,10 +159,14 @@ class SlidePlan:
         needed = sum(parts.values())
         if available is not None and needed > available:
             billions = sum(unit.full_numel for unit in units) / 1e9
+            backup = parts.get("speculation_backup", 0)
+            fix = (f"set speculative_update: false (its backup is {backup / GIB:.1f} GiB; delayed_update overlaps the "
+                   "update without one), use a smaller model or more nodes" if backup else
+                   "use a smaller model or more nodes, or drop what keeps gradients (clipping, accumulation, "
+                   "on_nonfinite: skip_step)")
             raise ValueError(
                 f"SlideFSDP needs {needed / GIB:.1f} GiB of host memory per node for {billions:.2f}B parameters "
-                f"({describe(parts)} GiB) but {available / GIB:.1f} GiB are {source}; use a smaller model or more "
-                "nodes, or drop what keeps gradients (clipping, accumulation, on_nonfinite: skip_step)"
+                f"({describe(parts)} GiB) but {available / GIB:.1f} GiB are {source}; {fix}"
             )
         if self.param_transfer == "full" and self.run.processes_per_node > 1:  # the node's staging copy: /dev/shm
             check_shared_memory(parts["staging"])

@@ -15,22 +15,37 @@ class UpdateSchedule:
     keep_gradients: bool = False  # each unit's gradient is added into an fp32 buffer kept on the host until its update
     norms_on_arrival: bool = False  # the step's gradient norm is summed piece by piece as the pieces reach the host
     check_units_finite: bool = False  # each unit's gradient is checked before its own update (none deferred)
+    speculate: bool = False  # updates run on arrival, undone at the optimizer step if clipping or the guard fires
 
     @classmethod
-    def of(cls, delayed_update: bool, clipping: bool, accumulation: int, on_nonfinite: str) -> "UpdateSchedule":
+    def of(cls, delayed_update: bool, clipping: bool, accumulation: int, on_nonfinite: str,
+           speculative_update: bool = False) -> "UpdateSchedule":
         """Clipping and skipping non-finite steps need every gradient before the first update of a step, so the
         updates are deferred; a delayed update defers them to the next step and keeps each gradient in its ring
         buffer (the reduce dtype), learning the norm as the pieces arrive, where accumulation and a deferred
         update that is not delayed keep an fp32 copy instead. Deferred updates are guarded by the global norm,
-        ``on_nonfinite: warn`` by nothing."""
-        defer = clipping or on_nonfinite == "skip_step" or delayed_update
+        ``on_nonfinite: warn`` by nothing.
+
+        A speculative update (``offload.speculation``) is not deferred: each unit's update runs on arrival, with its
+        rows backed up first, and its gradient is kept until the optimizer step (in its ring buffer, or in the fp32
+        copy that accumulation keeps anyway), where the global norm, summed on arrival, validates the step or undoes
+        it. It only matters where clipping or the guard could change the step: otherwise it is the overlapped update."""
+        speculate = speculative_update and (clipping or on_nonfinite != "warn")
+        defer = (clipping or on_nonfinite == "skip_step" or delayed_update) and not speculate
         return cls(
             delay=delayed_update,
             defer=defer,
             keep_gradients=accumulation > 1 or (defer and not delayed_update),
-            norms_on_arrival=delayed_update and (clipping or on_nonfinite != "warn"),
-            check_units_finite=on_nonfinite != "warn" and not defer,
+            norms_on_arrival=(delayed_update or speculate) and (clipping or on_nonfinite != "warn"),
+            check_units_finite=on_nonfinite != "warn" and not defer and not speculate,
+            speculate=speculate,
         )
+
+    @property
+    def holds_pieces(self) -> bool:
+        """Each gradient piece keeps its ring buffer after it arrives: until the next step's update (delayed), or
+        until the optimizer step validates the step (speculative, with no fp32 copy to keep it in)."""
+        return self.delay or (self.speculate and not self.keep_gradients)
 
     @property
     def overlaps(self) -> bool:
@@ -39,5 +54,6 @@ class UpdateSchedule:
 
     @property
     def name(self) -> str:
-        """``delayed``, ``after`` (the backward: deferred, not delayed) or ``overlapped`` (``offload.step_time``)."""
+        """``delayed``, ``after`` (the backward: deferred, not delayed) or ``overlapped`` (``offload.step_time``; a
+        speculative update overlaps too)."""
         return "delayed" if self.delay else "after" if self.defer else "overlapped"

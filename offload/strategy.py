@@ -30,7 +30,7 @@ from lit_fsdp.lightning_compat import METADATA_FILENAME as _METADATA_FILENAME
 from lit_fsdp.lightning_compat import is_sharded_checkpoint as _is_sharded_checkpoint
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import OnNonFinite
-from lit_fsdp.strategy import CausalLMStrategy, DType
+from lit_fsdp.lifecycle import CausalLMStrategy, DType
 from offload import adamw_kernel
 from offload.compile import compile_forwards
 from offload.cpu_adam import CpuAdam
@@ -69,6 +69,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         optimizer_state_dtype: OptimizerStateDType = "float32",
         delayed_update: bool = False,
         delayed_update_warmup: int = 0,
+        speculative_update: bool = False,
         gradient_slots: int | None = None,
         pin_memory: bool = True,
         host_memory_gb: float | None = None,
@@ -111,6 +112,10 @@ class SlideFSDPStrategy(CausalLMStrategy):
             delayed_update_warmup: With ``delayed_update``, the first optimizer steps of training whose updates are
                 applied before the next step instead (ZeRO-Offload's DPU warm-up: staleness costs most while the
                 weights change fastest).
+            speculative_update: With clipping or ``on_nonfinite`` stop or skip_step, run each update as its gradient
+                arrives and validate the step at the optimizer step: undone and redone clipped if clipping fires, undone
+                if the guard stops or skips it (``offload.speculation``); a backup of the rows before each update costs
+                4 + 2 x moment bytes per trained parameter. Not with ``delayed_update``.
             gradient_slots: Host buffers for gradients on their way to the CPU update, each the size of a block's
                 shard; default (null): one per piece of a backward (the device never waits for an update to free
                 one), plus ``max(2, window)`` with ``delayed_update``; ``max(2, window)`` when a kept fp32 gradient
@@ -143,26 +148,22 @@ class SlideFSDPStrategy(CausalLMStrategy):
             raise ValueError(f"SlideFSDP host_memory_gb={host_memory_gb} must be > 0, or null for MemAvailable")
         if optimizer_state_dtype not in get_args(OptimizerStateDType):
             raise ValueError(f"SlideFSDP optimizer_state_dtype={optimizer_state_dtype!r}: set it to float32 or bfloat16")
-        self.window = window
-        self.param_transfer = param_transfer
-        self.grad_sync = grad_sync
-        self.activation_offload = activation_offload
-        self.compile_blocks = compile_blocks
-        self.cpu_threads = cpu_threads
+        self.window, self.param_transfer, self.grad_sync = window, param_transfer, grad_sync
+        self.activation_offload, self.compile_blocks, self.cpu_threads = activation_offload, compile_blocks, cpu_threads
         if cpu_binding not in ("numa", "none"):
             raise ValueError(f"SlideFSDP cpu_binding={cpu_binding!r}: set it to numa or none")
         if control_cores < 0:
             raise ValueError(f"SlideFSDP control_cores={control_cores} must be >= 0")
-        self.cpu_binding = cpu_binding
-        self.control_cores = control_cores
-        self.optimizer_state_dtype = optimizer_state_dtype
-        self.delayed_update = delayed_update
+        self.cpu_binding, self.control_cores = cpu_binding, control_cores
+        self.optimizer_state_dtype, self.delayed_update = optimizer_state_dtype, delayed_update
         if delayed_update_warmup < 0:
             raise ValueError(f"SlideFSDP delayed_update_warmup={delayed_update_warmup} must be >= 0 optimizer steps")
         self.delayed_update_warmup = delayed_update_warmup
-        self.gradient_slots = gradient_slots
-        self.pin_memory = pin_memory
-        self.host_memory_gb = host_memory_gb
+        if speculative_update and delayed_update:
+            raise ValueError("SlideFSDP speculative_update and delayed_update both overlap a clipped step's updates "
+                             "with a backward (this step's, or the next one's); set one of them to false")
+        self.speculative_update, self.gradient_slots = speculative_update, gradient_slots
+        self.pin_memory, self.host_memory_gb = pin_memory, host_memory_gb
         self.engine: SlideEngine | None = None
         self.host: HostState | None = None
         self.adam: CpuAdam | None = None
@@ -188,6 +189,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             gradient_slots=self.gradient_slots, on_nonfinite=self.on_nonfinite,
             run=SlideRun.of_trainer(trainer, self.root_device.type), compute_dtype=compute,
             reduce_dtype=self.resolve_dtype(self.reduce_dtype, fallback=compute),
+            speculative_update=self.speculative_update,
         )
 
     def model_units(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
@@ -200,14 +202,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         and sequence length); ``units`` are ``model_units``' when the caller has them already."""
         plan = self.plan(trainer, compute)
         units = units or self.model_units(module, datamodule, trainer.num_devices)
-        return plan.host_buffers(units, self._activation_bytes(plan, units, module, datamodule))
-
-    @staticmethod
-    def _activation_bytes(plan: SlidePlan, units: list[UnitSize], module: Any, datamodule: Any) -> int:
-        if datamodule is None:
-            return 0
-        return plan.activation_bytes(len(units) - 1, datamodule.batch_size, datamodule.seq_len,
-                                     module.hf_config(datamodule).hidden_size)
+        return plan.host_buffers(units, plan.activation_bytes(units, module, datamodule))
 
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
         """The knobs against the run, LoRA's dtype, then the host buffers against the host's memory."""
@@ -217,7 +212,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         self.check_lora(module)
         units = self.model_units(module, datamodule, trainer.num_devices)
         plan.check_host(units, *host_memory_budget(self.host_memory_gb),
-                        activation_bytes=self._activation_bytes(plan, units, module, datamodule))
+                        activation_bytes=plan.activation_bytes(units, module, datamodule))
 
     def check_lora(self, module: pl.LightningModule) -> None:
         """LoRA's frozen base is kept in the compute dtype alone: bfloat16 (or float32) rounds it as FSDP2's cast does,
@@ -232,7 +227,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
 
     @property
     def host_collectives(self) -> str | None:
-        """Gradients on the host, their norms and checkpoints: gloo beside NCCL (``lit_fsdp.strategy.process_group_backend``)."""
+        """Gradients on the host, their norms and checkpoints: gloo beside NCCL (``lit_fsdp.lifecycle.process_group_backend``)."""
         return "SlideFSDP"
 
     def update_threads(self) -> UpdateThreads:
@@ -345,6 +340,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         assert self.host is not None and self.engine is not None
         parts = self.host.buffer_bytes(count_shared=self.cpu_mesh["shard"].get_local_rank() == 0)
         parts["adam_moments"] = self.adam.nbytes() if self.adam is not None else 0
+        parts["speculation_backup"] = self.engine.gradients.speculation_bytes()
         return parts
 
     def host_state_bytes(self) -> int:
@@ -376,7 +372,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             self.adam.close()
         self.adam = CpuAdam(self.host.trained, self.host.master, self.optimizers[0], self.root_device,
                             getattr(torch, self.optimizer_state_dtype))
-        self.engine.gradients.adam = self.adam
+        self.engine.gradients.attach(self.adam)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
@@ -394,23 +390,26 @@ class SlideFSDPStrategy(CausalLMStrategy):
     def clip_gradients(self, max_norm: float | None) -> torch.Tensor | None:
         """With deferred updates: the global norm of the kept host gradients (all units, all ranks), clipped; with
         ``delayed_update``: the norm summed as the pieces arrived, and the clipping coefficient the step's updates
-        will take when they run during the next step.
+        will take when they run during the next step; with ``speculative_update``: that norm validates the updates
+        that ran during the backward (``offload.speculation``).
 
         Otherwise the updates already ran during the backward (each unit's gradients checked for
         non-finite values first): wait for them; there is no global norm.
         """
         assert self.engine is not None and self.adam is not None
+        group = self.cpu_mesh["shard"].get_group() if self.cpu_mesh["shard"].size() > 1 else None
+        if self.engine.schedule.speculate:
+            return self.engine.gradients.validate(max_norm, group, self.on_nonfinite)
         if not self.engine.schedule.defer:
             self.adam.wait()
             return None
-        group = self.cpu_mesh["shard"].get_group() if self.cpu_mesh["shard"].size() > 1 else None
         if self.delayed_update:
             return self.engine.gradients.delayed_norm(max_norm, group)
         return self.engine.gradients.clip_kept(max_norm, group)
 
     def drop_gradients(self, optimizer: Any) -> None:
         assert self.engine is not None
-        self.engine.gradients.discard()
+        self.engine.gradients.discard(undo=True)
 
     def nonfinite_values(self) -> int:
         assert self.engine is not None

@@ -205,6 +205,8 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
         per += reduce
     if schedule.delay:  # the staging row rewritten from the master after the unit's last load of the step
         per += 4
+    if schedule.speculate:  # the rows backed up before the update (read, then written), the gradient read for its norm
+        per += adamw_state_bytes(getattr(torch, strategy.optimizer_state_dtype)) + (4 if schedule.keep_gradients else reduce)
     if schedule.check_units_finite and strategy.grad_sync == "cpu_reduce":
         per += 4 if schedule.keep_gradients else reduce
     return parameters * per
