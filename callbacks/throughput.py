@@ -51,7 +51,7 @@ class Throughput(pl.Callback):
 
     While training, the tokens/s of the last ``RUNNING_STEPS`` steps are logged as ``perf/tokens_per_s_running``
     and show in the progress bar as ``tok/s``. The run's figures are logged as ``perf/*`` at the end of fit and
-    written by rank 0 to ``<default_root_dir>/throughput.json``.
+    written by rank 0 to ``<default_root_dir>/throughput.json``, with every measured step's time (``step_times_ms``).
     """
 
     def __init__(self, warmup_steps: int = 5, peak_tflops: float | None = None):
@@ -147,6 +147,7 @@ class Throughput(pl.Callback):
             # a run no longer than the warm-up is measured over every step, warm-up included: the record says so
             "warmup_steps_included": len(self.step_seconds) <= self.warmup_steps,
             "step_time_ms_mean": statistics.fmean(ms),
+            "step_time_ms_p10": percentile(ms, 10),
             "step_time_ms_p50": percentile(ms, 50),
             "step_time_ms_p90": percentile(ms, 90),
             "step_time_ms_p95": percentile(ms, 95),
@@ -172,4 +173,6 @@ class Throughput(pl.Callback):
         # loggers take numbers: a flag is logged as 0 or 1 (the results record keeps it a boolean)
         log_metrics(trainer, {f"perf/{key}": float(value) if isinstance(value, bool) else value
                               for key, value in summary.items() if value is not None})
-        write_json(trainer, "throughput.json", summary)
+        # every measured step's time beside the statistics: the run's own record of its spread
+        measured = self.step_seconds[self.warmup_steps :] or self.step_seconds
+        write_json(trainer, "throughput.json", {**summary, "step_times_ms": [s * 1000 for s in measured]})

@@ -173,11 +173,12 @@ def fit(name: str, work: Path, configs: list[str], record: Record, steps: int, m
             child.wait()
             run["stopped"] = f"watchdog: MemAvailable {run['min_mem_available_gib']} GiB < {min_free_gib}"
             break
-    results = folder / "results.jsonl"
+    results, throughput = folder / "results.jsonl", folder / "throughput.json"
     losses = logged_losses(folder)
     run.update(rc=child.returncode, wall_s=round(time.perf_counter() - begin, 1), steps_done=len(losses),
                result=json.loads(results.read_text().splitlines()[-1]) if results.is_file() else {},
-               losses=[losses[k] for k in sorted(losses)])
+               losses=[losses[k] for k in sorted(losses)],
+               step_times_ms=json.loads(throughput.read_text()).get("step_times_ms") if throughput.is_file() else None)
     if measure is not None:
         run["figures"] = figures(run)
     record.put(**{name: run})
@@ -188,15 +189,16 @@ def fit(name: str, work: Path, configs: list[str], record: Record, steps: int, m
 
 def figures(run: dict[str, Any]) -> dict[str, Any]:
     """The figures of a measured run that the records' summaries and the tables show: results.jsonl's rates (the
-    warm-up left out), peaks and offload figures, the lowest MemAvailable, and the CPU update's GB/s: the bytes
+    warm-up left out) and step-time percentiles, every measured step's time (throughput.json), peaks and offload
+    figures, the lowest MemAvailable, and the CPU update's GB/s: the bytes
     ``estimate`` counts for it over its measured time (absent where either is)."""
     result, estimate = run.get("result", {}), run.get("estimate", {})
-    keys = ("tokens_per_s", "mfu", "steps_measured", "warmup_steps_included", "step_time_ms_mean", "step_time_ms_p50",
-            "peak_allocated_gb", "peak_reserved_gb", "train_loss")
+    keys = ("tokens_per_s", "mfu", "steps_measured", "warmup_steps_included", "step_time_ms_mean", "step_time_ms_p10",
+            "step_time_ms_p50", "step_time_ms_p90", "peak_allocated_gb", "peak_reserved_gb", "train_loss")
     found = {key: value for key, value in result.items()
              if key in keys or key.startswith(("offload_", "host_", "memory_", "perf_", "mfu", "tokens"))}
     found.update(warmup_steps_left_out=run.get("warmup_steps_left_out"),
-                 min_mem_available_gib=run.get("min_mem_available_gib"))
+                 min_mem_available_gib=run.get("min_mem_available_gib"), step_times_ms=run.get("step_times_ms"))
     update_ms, update_bytes = result.get("offload_cpu_update_ms"), estimate.get("cpu_update_bytes")
     if update_ms and update_bytes:
         found["offload_cpu_update_gbps"] = update_bytes / 1e9 / (update_ms / 1e3)

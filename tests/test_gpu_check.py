@@ -52,6 +52,7 @@ def test_every_step_runs_in_cpu_mode_and_leaves_its_records(tmp_path):
         assert run["result"]["steps_measured"] == run["steps_done"] - 2 and not run["result"]["warmup_steps_included"]
     eight_b = measured["eight_b"]["figures"]  # the 8B as shipped (llama-tiny here): every figure its table shows
     assert measured["eight_b"]["steps_done"] == 5 and eight_b["tokens_per_s"] > 0 and eight_b["offload_cpu_update_ms"] > 0
+    assert len(eight_b["step_times_ms"]) == 3 and eight_b["step_time_ms_p10"] <= eight_b["step_time_ms_p90"]
     assert eight_b["offload_cpu_update_gbps"] > 0 and eight_b["min_mem_available_gib"] > 0
     assert {"offload_device_idle_ms", "offload_cpu_update_hidden_share", "offload_cpu_update_hideable_share"} <= set(eight_b)
     lines = done.stdout.splitlines()
@@ -157,7 +158,7 @@ def test_a_step_past_its_deadline_is_reported_with_what_it_recorded_and_the_next
 
 
 @pytest.mark.parametrize(("arguments", "message"), [
-    (["--steps", "probe,warp"], "unknown step 'warp'; steps are probe, eight_b, fsdp2_1b, cuda_tests"),
+    (["--steps", "probe,warp"], "unknown step 'warp'; steps are probe, eight_b, fsdp2_1b, eight_b_synchronous"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--warmup-steps", "-1"], "--warmup-steps -1: must be 0 or more (optimizer steps left out of every rate)"),
     pytest.param(["--device", "cuda"], "--device cuda but torch sees no CUDA device; use --device cpu",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from types import SimpleNamespace
 
@@ -186,3 +187,8 @@ def test_a_two_process_run_logs_mfu_and_samples_per_s(tmp_path):
     assert perf["mfu"] == pytest.approx(983_040 * perf["tokens_per_s"] / 2 / 0.5e12, rel=1e-6)
     assert perf["hfu"] == perf["mfu"]  # nothing recomputed
     assert len(metrics[throughput.RUNNING_KEY]) == 6 and min(metrics[throughput.RUNNING_KEY]) > 0  # every step
+    # the run's record keeps every measured step's time, and its percentiles are theirs
+    record = json.loads((tmp_path / "throughput.json").read_text())
+    times = record["step_times_ms"]
+    assert len(times) == 4 and record["step_time_ms_mean"] == pytest.approx(sum(times) / 4, rel=1e-9)
+    assert min(times) <= record["step_time_ms_p10"] <= record["step_time_ms_p50"] <= record["step_time_ms_p90"] <= max(times)
