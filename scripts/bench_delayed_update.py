@@ -1,14 +1,18 @@
-"""Does SlideFSDP's delayed update (DPU) train as well as the synchronous one? Loss curves on the CPU, paired seeds.
+"""Does SlideFSDP's delayed update (DPU) train as well as the synchronous one, and how often does clipping fire (what
+the speculative update's rollbacks cost)? Loss curves on the CPU, paired seeds.
 
-Each seed trains the quickstart (gpt2-tiny on the embedded Markov data, clipping 1.0, its learning-rate schedule)
-under SlideFSDP twice: the CPU update applied in the step (``delayed_update: false``) and one step late (``true``),
-the same data in the same order; ``--warmups`` adds delayed arms whose first steps are updated synchronously
-(``delayed_update_warmup``). A JSON line per run goes to ``--out`` as it ends (so a partial run is usable):
-the train loss per step, the validation losses, and the mean train loss over the last ``--tail`` steps. ``--table``
-prints, from that file, each arm's mean and spread over seeds, and the paired difference (delayed - synchronous)
-against the spread between seeds of the synchronous arm (seed noise).
+Each seed trains the quickstart (gpt2-tiny on the embedded Markov data, clipping 1.0, its learning-rate schedule;
+``--wikitext``: on WikiText-2 at the same shape) under SlideFSDP twice: the CPU update applied in the step
+(``delayed_update: false``) and one step late (``true``), the same data in the same order; ``--warmups`` adds delayed
+arms whose first steps are updated synchronously (``delayed_update_warmup``), ``--speculative`` the speculative arm
+(``speculative_update``: the synchronous steps, each rolled back and redone where clipping fires). A JSON line per run
+goes to ``--out`` as it ends (so a partial run is usable): the train loss and gradient norm per step, the steps the
+speculative update rolled back, the validation losses. ``--table`` prints, from that file, each arm's mean and spread
+over seeds, the paired difference (delayed - synchronous) against the spread between seeds of the synchronous arm
+(seed noise), and the share of steps whose norm the clipping cut.
 
     python scripts/bench_delayed_update.py --seeds 1 2 3 --steps 300 --warmups 0 30 100
+    python scripts/bench_delayed_update.py --seeds 1 --steps 500 --wikitext --speculative --out runs/clipping.jsonl
     python scripts/bench_delayed_update.py --seeds 1 2 3 --steps 300 --plain-torch
     python scripts/bench_delayed_update.py --table
 """
@@ -29,28 +33,63 @@ sys.path.insert(0, str(ROOT))
 
 from tests.helpers import read_metrics  # noqa: E402  (the CSV reader the tests use)
 
+MAX_NORM = 1.0  # the quickstart's gradient_clip_val
+#: WikiText-2 at the quickstart's shape: configs/wikipedia.yaml's data (its byte-level BPE) with gpt2-tiny
+WIKITEXT = ["--config", "configs/wikipedia.yaml", "--model.preset", "gpt2-tiny", "--data.seq_len", "128",
+            "--data.batch_size", "8"]
+
+
 def arm_name(warmup: int | None) -> str:
     """``synchronous`` (None), ``delayed``, or ``delayed, warm-up N``."""
     return "synchronous" if warmup is None else "delayed" + (f", warm-up {warmup}" if warmup else "")
 
 
-def run(seed: int, warmup: int | None, steps: int, devices: int, folder: Path, learning_rate: float) -> dict:
-    """One fit (``warmup`` None: the synchronous update; else delayed after that many steps); its losses."""
+def arm_knobs(arm: str) -> dict[str, str]:
+    """The SlideFSDP knobs of an arm named by ``arm_name`` or ``speculative``."""
+    if arm == "speculative":
+        return {"delayed_update": "false", "speculative_update": "true"}
+    warmup = arm.partition("warm-up ")[2] or "0"
+    return {"delayed_update": str(arm != "synchronous").lower(), "delayed_update_warmup": warmup}
+
+
+def run(seed: int, arm: str, steps: int, devices: int, folder: Path, learning_rate: float, wikitext: bool) -> dict:
+    """One fit of ``arm``; its losses, gradient norms and the steps its speculative update rolled back."""
     folder.mkdir(parents=True, exist_ok=True)
     callbacks = folder / "callbacks.yaml"
-    callbacks.write_text(json.dumps({"trainer": {"callbacks": []}}))  # no checkpoints: they would apply the update
+    # no checkpoints (they would apply a delayed update); OffloadStats logs each step's rollback
+    callbacks.write_text(json.dumps({"trainer": {"callbacks": [{"class_path": "callbacks.OffloadStats"}]}}))
+    knobs = [a for name, value in arm_knobs(arm).items() for a in (f"--trainer.strategy.init_args.{name}", value)]
     command = [sys.executable, "-m", "lit_fsdp", "fit", "--config", "configs/quickstart.yaml",
+               *(WIKITEXT if wikitext else []),
                "--config", "configs/offload.yaml", "--config", str(callbacks), "--seed_everything", str(seed),
-               "--trainer.max_steps", str(steps), "--model.learning_rate", str(learning_rate), "--trainer.devices", str(devices), "--trainer.log_every_n_steps", "1",
+               "--trainer.max_steps", str(steps), "--model.learning_rate", str(learning_rate),
+               "--trainer.devices", str(devices), "--trainer.log_every_n_steps", "1",
+               "--trainer.gradient_clip_val", str(MAX_NORM),
                "--trainer.enable_checkpointing", "false", "--comm_profiler", "false",
                "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(folder),
-               "--trainer.strategy.init_args.delayed_update", str(warmup is not None).lower(),
-               "--trainer.strategy.init_args.delayed_update_warmup", str(warmup or 0),
-               "--trainer.default_root_dir", str(folder)]
+               *knobs, "--trainer.default_root_dir", str(folder)]
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     metrics = read_metrics(max(folder.glob("lightning_logs/version_*/metrics.csv")))
-    return {"seed": seed, "arm": arm_name(warmup), "family": "lit_fsdp", "steps": steps, "learning_rate": learning_rate, "devices": devices, "train_loss": metrics["train/loss"],
+    return {"seed": seed, "arm": arm, "family": "lit_fsdp", "data": "wikitext2" if wikitext else "markov",
+            "steps": steps, "learning_rate": learning_rate, "devices": devices, "train_loss": metrics["train/loss"],
+            "grad_norm": metrics.get("train/grad_norm", []), "rollbacks": metrics.get("offload/rollbacks", []),
             "val_loss": metrics.get("val/loss", [])}
+
+
+def clipping(rows: list[dict], early: int = 100) -> str:
+    """Markdown: per run, the share of steps whose gradient norm the clipping cut (all, the first ``early``, the
+    rest) and, for the speculative arm, the share of steps it rolled back (the same steps, counted by OffloadStats)."""
+    lines = [f"| arm | seed | steps | clipping fired: all | first {early} | after | rolled back |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        norms = row.get("grad_norm") or []
+        if not norms:
+            continue
+        fired = [norm + 1e-6 > MAX_NORM for norm in norms]
+        share = (lambda xs: f"{sum(xs) / len(xs):.1%}" if xs else "n/a")
+        rolled = f"{sum(row['rollbacks']) / len(row['rollbacks']):.1%}" if row.get("rollbacks") and row["arm"] == "speculative" else ""
+        lines.append(f"| {row['arm']} | {row['seed']} | {len(norms)} | {share(fired)} | {share(fired[:early])} | "
+                     f"{share(fired[early:])} | {rolled} |")
+    return "\n".join(lines)
 
 
 def plain_torch(seed: int, warmup: int | None, steps: int, learning_rate: float) -> dict:
@@ -158,31 +197,41 @@ def main() -> None:
                         help="delayed arms: optimizer steps updated synchronously first (delayed_update_warmup)")
     parser.add_argument("--synchronous", action=argparse.BooleanOptionalAction, default=True,
                         help="run the synchronous arm too (off: add delayed arms to a file that has it)")
+    parser.add_argument("--speculative", action="store_true", help="run the speculative arm too (speculative_update)")
+    parser.add_argument("--wikitext", action="store_true",
+                        help="train on WikiText-2 (configs/wikipedia.yaml's data) at the quickstart's shape")
     parser.add_argument("--tail", type=int, default=50, help="steps the final train loss is averaged over")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_delayed_update.jsonl")
     parser.add_argument("--table", action="store_true", help="print the table from --out and stop")
     parser.add_argument("--plain-torch", action="store_true",
                         help="the reference instead: the same shape in plain torch, the gradient current or one step old")
     args = parser.parse_args()
+    if args.plain_torch and args.speculative:
+        parser.error("--speculative is SlideFSDP's mode: the plain-torch reference has only synchronous and delayed arms")
     if not args.table:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as work:
             arms = ([None] if args.synchronous else []) + list(args.warmups)
+            named = [arm_name(warmup) for warmup in arms] + (["speculative"] if args.speculative else [])
             for seed in args.seeds:
-                for warmup in arms:
+                for arm, warmup in zip(named, arms + [None] * len(named)):
                     row = (plain_torch(seed, warmup, args.steps, args.lr) if args.plain_torch else
-                           run(seed, warmup, args.steps, args.devices, Path(work) / f"{arm_name(warmup)}-{seed}", args.lr))
+                           run(seed, arm, args.steps, args.devices, Path(work) / f"{arm}-{seed}", args.lr, args.wikitext))
                     with args.out.open("a") as f:
                         f.write(json.dumps(row) + "\n")
                     print(f"seed {seed} {row['arm']}: last {args.tail} steps {statistics.fmean(row['train_loss'][-args.tail:]):.4f}",
                           flush=True)
     rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
     for family in sorted({row.get("family", "lit_fsdp") for row in rows}):
-        for rate in sorted({row["learning_rate"] for row in rows}, reverse=True):
-            chosen = [row for row in rows if row.get("family", "lit_fsdp") == family and row["learning_rate"] == rate]
-            if chosen:
-                print(f"\n{family}, learning rate {rate:g}\n")
-                print(table(chosen, args.tail))
+        for data in sorted({row.get("data", "markov") for row in rows}):
+            for rate in sorted({row["learning_rate"] for row in rows}, reverse=True):
+                chosen = [row for row in rows if row.get("family", "lit_fsdp") == family
+                          and row.get("data", "markov") == data and row["learning_rate"] == rate]
+                if chosen:
+                    print(f"\n{family}, {data}, learning rate {rate:g}\n")
+                    print(table(chosen, args.tail))
+                    print(f"\nclipping at {MAX_NORM:g}\n")
+                    print(clipping(chosen))
 
 
 if __name__ == "__main__":
