@@ -96,10 +96,6 @@ class GradientCompression:
         if communicator.movers:
             self._movers.append(all_reduce.mover)
 
-    def figures(self) -> dict:
-        """No figures beyond the counters (``lit_fsdp.reporting.CompressionReport``)."""
-        return {}
-
     def optimizer(self, params, **adamw) -> torch.optim.Optimizer | None:
         """The optimizer this method needs in place of AdamW, built with AdamW's arguments (None: AdamW itself)."""
         communicator = self.config.communicator
