@@ -262,8 +262,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
     def place(self, network: nn.Module, module: pl.LightningModule) -> None:
         trainer = module.trainer
         device = self.root_device
-        compute = self.resolve_dtype(self.param_dtype)
-        reduce = self.resolve_dtype(self.reduce_dtype, fallback=compute)
+        plan = self.plan(trainer)
+        compute, reduce = plan.compute_dtype, plan.reduce_dtype
         blocks = find_blocks(network, self.block_class)
         shard_mesh = self.cpu_mesh["shard"]
         shards, shard_rank = shard_mesh.size(), shard_mesh.get_local_rank()
@@ -277,7 +277,6 @@ class SlideFSDPStrategy(CausalLMStrategy):
         if full and shards > 1:
             numel = sum(layout.full_numel for layout in layouts)
             shared = SharedStaging(numel, compute, pin, shard_rank, node_tag(self.node_rank), shard_mesh.get_group())
-        plan = self.plan(trainer)
         slots = plan.ring_slots(sizes_of(layouts, trained, self.grad_sync == "gpu_reduce"))
         self.host = HostState(
             layouts, compute, reduce, full_staging=full, keep_gradients=plan.schedule.keep_gradients,
