@@ -5,7 +5,9 @@ weights costs ``2n`` FLOPs per token forward and ``4n`` backward (gradients of i
 weight), and attention's two score/value products cost ``2 x 2 x seq_len x width`` forward per
 token and layer, where width is heads x head_dim, so training costs
 
-    6 x (matmul weights of the blocks + the LM head) + 12 x layers x width x seq_len.
+    6 x (matmul weights of the blocks + the LM head) + 12 x layers x width x seq_len
+
+(a windowed layer counts its window for ``seq_len`` where shorter: below).
 
 What counts: every weight matrix in the blocks and the LM head, which is a matmul even when it shares
 its weight with the embedding. What does not: the embedding lookups (token and position; an index,
@@ -13,6 +15,16 @@ not a matmul), biases, norms, activations, softmax and the optimizer (elementwis
 value), and attention's causal mask (the full ``seq_len x seq_len`` product is counted, as PaLM does).
 The recompute of activation checkpointing is not in this count either: MFU counts the FLOPs the
 model needs, whatever the hardware repeats (that repeat is ``recompute_flops_per_token``).
+
+Sliding-window attention (Mistral, Phi-3 with a window; Gemma 2's and windowed Qwen's ``sliding_attention`` layers):
+a query there sees at most ``window`` keys, so such a layer counts ``min(seq_len, window)`` keys per query where a
+full layer counts ``seq_len``. Both are the bound on the keys a query sees, not their average, as the causal mask is
+counted in full. Neither depends on the kernel: SDPA with a mask computes the whole square, flash attention about
+the band.
+
+Families: GPT-2, and the Llama-like decoders (Llama, Mistral, Qwen 2 and 3, Gemma 2, Phi-3, OLMo 2), whose
+blocks all hold the same matrices: Q and O at heads x head_dim, K and V at the grouped width, and a gated MLP's gate,
+up and down projections. Phi-3 fuses Q, K and V into one matrix and gate and up into another: the same weights.
 """
 
 from __future__ import annotations
@@ -21,7 +33,12 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-SUPPORTED = ("gpt2", "llama")
+#: Llama-like decoders: every field ``matmul_shape`` reads has the same name and meaning in their configs.
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")
+SUPPORTED = ("gpt2", *LLAMA_LIKE)
+# Their attention applies ``config.sliding_window`` to every layer (and ignores ``layer_types``); the others window
+# only the layers ``layer_types`` marks "sliding_attention" (transformers >= 4.53 sets it from the config).
+_EVERY_LAYER_WINDOWED = ("mistral", "phi3")
 
 
 @dataclass(frozen=True)
@@ -33,29 +50,50 @@ class MatmulShape:
     attention_width: int  # query heads x head_dim: the inner size of QK^T and of AV
     head_weights: int  # the LM head: vocab x hidden
     last_weights: int  # the block's last matrix (the MLP's down projection), not recomputed by checkpointing
+    windows: tuple[int | None, ...] = ()  # each layer's attention window; None (or none given): every earlier key
+
+    def keys(self, seq_len: int) -> list[int]:
+        """The keys each layer's queries are counted against: ``seq_len``, or the layer's window where shorter."""
+        windows = self.windows or (None,) * self.layers
+        return [seq_len if window is None else min(seq_len, window) for window in windows]
+
+
+def attention_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window as the Hugging Face model applies it; None for a layer with full attention."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return (None,) * layers
+    if config.model_type in _EVERY_LAYER_WINDOWED:
+        return (window,) * layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
 def matmul_shape(config: PretrainedConfig) -> MatmulShape:
-    """The matmul sizes of a GPT-2 or Llama config."""
+    """The matmul sizes of a GPT-2 or Llama-like config (``SUPPORTED``)."""
     if config.model_type == "gpt2":
         hidden = config.n_embd
         inner = config.n_inner or 4 * hidden
         # c_attn (Q, K, V) and c_proj, then the MLP's c_fc and c_proj.
         block = 3 * hidden * hidden + hidden * hidden + 2 * hidden * inner
         return MatmulShape(config.n_layer, block, hidden, config.vocab_size * hidden, inner * hidden)
-    if config.model_type == "llama":
+    if config.model_type in LLAMA_LIKE:
         hidden = config.hidden_size
         heads = config.num_attention_heads
-        kv_heads = config.num_key_value_heads or heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        # explicit where it differs from hidden / heads (Gemma 2, Qwen 3); Phi-3's config has none
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         # q_proj and o_proj at full width, k_proj and v_proj at the grouped (GQA) width; the gated
-        # MLP has three matrices (gate, up, down).
+        # MLP has three matrices (gate, up, down). Phi-3's qkv_proj and gate_up_proj hold the same weights.
         attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
         block = attention + 3 * hidden * config.intermediate_size
         width, down = heads * head_dim, config.intermediate_size * hidden
-        return MatmulShape(config.num_hidden_layers, block, width, config.vocab_size * hidden, down)
+        return MatmulShape(config.num_hidden_layers, block, width, config.vocab_size * hidden, down,
+                           attention_windows(config))
     raise ValueError(
-        f"no analytic FLOP count for model_type {config.model_type!r}; supported: {', '.join(SUPPORTED)}"
+        f"no analytic FLOP count for model_type {config.model_type!r}; supported: {', '.join(SUPPORTED)} "
+        "(another family needs its matrices in lit_fsdp.flops.matmul_shape)"
     )
 
 
@@ -70,7 +108,7 @@ def flops_per_token(config: PretrainedConfig, seq_len: int, trained: int | None 
     """
     shape = matmul_shape(config)
     weights = shape.layers * shape.block_weights + shape.head_weights
-    attention = 12 * shape.layers * shape.attention_width * seq_len
+    attention = 12 * shape.attention_width * sum(shape.keys(seq_len))
     if trained is None:
         return 6 * weights + attention
     return 4 * weights + 6 * trained + 2 * trained_matrices + attention
@@ -87,5 +125,5 @@ def recompute_flops_per_token(config: PretrainedConfig, seq_len: int, checkpoint
     if checkpoint_every <= 0:
         return 0
     shape = matmul_shape(config)
-    checkpointed = -(-shape.layers // checkpoint_every)
-    return checkpointed * (2 * (shape.block_weights - shape.last_weights) + 4 * shape.attention_width * seq_len)
+    keys = shape.keys(seq_len)[::checkpoint_every]  # the checkpointed blocks'
+    return len(keys) * 2 * (shape.block_weights - shape.last_weights) + 4 * shape.attention_width * sum(keys)

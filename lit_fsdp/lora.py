@@ -35,10 +35,13 @@ from transformers.pytorch_utils import Conv1D
 from lit_fsdp.errors import OneLineError, RunError
 from lit_fsdp.weights import clean_name, write_shard
 
-#: Targets when ``--model.lora`` names none: every linear layer of the attention and the MLP.
+#: Targets when ``--model.lora`` names none: every linear layer of the attention and the MLP. The Llama-like families
+#: share Llama's module names; Phi-3 fuses Q, K, V (qkv_proj) and gate and up (gate_up_proj).
 DEFAULT_TARGETS: dict[str, list[str]] = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    **{family: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+       for family in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "olmo2")},
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
 }
 ADAPTERS = ("lora_A", "lora_B")
 #: Words ``train`` accepts beside module names, and the modules they name.
@@ -59,7 +62,8 @@ class LoraConfig:
     """Dropout on the adapters' input while training."""
     targets: list[str] | None = None
     """Linear modules to adapt, by name or name suffix (``q_proj``, ``attn.c_proj``); default: every linear layer of
-    attention and MLP (GPT-2: c_attn, c_proj, c_fc; Llama: q/k/v/o_proj, gate/up/down_proj)."""
+    attention and MLP (GPT-2: c_attn, c_proj, c_fc; Llama-like: q/k/v/o_proj, gate/up/down_proj; Phi-3: qkv_proj,
+    o_proj, gate_up_proj, down_proj)."""
     train: list[str] | None = None
     """Whole modules of the base trained beside the adapters, as peft's modules_to_save: by name or name suffix
     (``[wte, wpe, ln_f]``, ``[embed_tokens, norm]``) or ``embeddings`` (every nn.Embedding) and ``norms`` (every
