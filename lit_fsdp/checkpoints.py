@@ -322,7 +322,8 @@ def checkpoint_size(strategy: Any, config: Any, world: int, nodes: int,
                     lora: LoraConfig | dict[str, Any] | None = None) -> CheckpointSize:
     """The bytes of one checkpoint of ``config``'s model saved by ``strategy``: all of it, as on one disk.
 
-    Counted: float32 weights under every parameter name (FSDP2's and SlideFSDP's master, DDP's model; a tied
+    Counted: the weights under every parameter name in float32 (FSDP2's master, DDP's model) or SlideFSDP's
+    ``master_dtype``, the dtype its master is saved in (a tied
     head under each of its names), AdamW's two moments per parameter in the strategy's ``optimizer_state_dtype``
     (SlideFSDP; float32 elsewhere) and, where the strategy saves it (FSDP2's sharded checkpoints), every rank's
     compression state as ``CompressionConfig.state_bytes`` counts it; then ``SPACE_MARGIN`` more. With ``lora``
@@ -335,10 +336,11 @@ def checkpoint_size(strategy: Any, config: Any, world: int, nodes: int,
 
     with torch.device("meta"):
         network = AutoModelForCausalLM.from_config(config)
-    weights = "float32 weights"
+    master = getattr(strategy, "master_dtype", "float32")
+    weights = f"{master} weights"
     if lora := as_config(lora):
         attach(network, lora)
-        weights = "LoRA adapters' float32 weights" + (", and the modules trained beside them" if lora.train else "") \
+        weights = f"LoRA adapters' {master} weights" + (", and the modules trained beside them" if lora.train else "") \
             + " (no frozen base)"
     saved = [(name, p) for name, p in network.named_parameters(remove_duplicate=False) if p.requires_grad]
     named = sum(p.numel() for _, p in saved)
@@ -355,7 +357,7 @@ def checkpoint_size(strategy: Any, config: Any, world: int, nodes: int,
         if kept:
             state += kept
             counted += f", {compression.method}'s state on each of {world} ranks"
-    return CheckpointSize(named * 4, state, f"{counted}, +{SPACE_MARGIN:.0%}")
+    return CheckpointSize(named * getattr(torch, master).itemsize, state, f"{counted}, +{SPACE_MARGIN:.0%}")
 
 
 def saves_in_run(callback: Any, trainer: Any) -> int | None:

@@ -1,7 +1,7 @@
 /* SlideFSDP's CPU AdamW step in one pass over memory (offload/adamw_kernel.py builds and calls it).
 
-   Each element is read and written once: the gradient read (float32, bfloat16 or float16), the float32 master read
-   and written, the moments (float32 or bfloat16, and amsgrad's running maximum) read and written in place, and the
+   Each element is read and written once: the gradient read (float32, bfloat16 or float16), the master (float32, or
+   bfloat16 rounded stochastically on the way back: see `master_bits`) read and written, the moments (float32 or bfloat16, and amsgrad's running maximum) read and written in place, and the
    new weight written to the staging row (bfloat16, float16, float32, or not at all). The arithmetic is that of torch's
    fused CPU AdamW kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, ADAMW mode), operation for operation, so that
    float32 moments give its bits: the weight decayed first, exp_avg by lerp as one fused multiply-add, exp_avg_sq
@@ -22,7 +22,7 @@
 enum { F32 = 0, BF16 = 1, F16 = 2, NONE = 3 };
 
 typedef struct {
-    float *param;
+    void *param;
     const void *grad;
     void *exp_avg, *exp_avg_sq, *max_exp_avg_sq, *staging;
     int64_t begin, end;
@@ -33,6 +33,10 @@ typedef struct {
     int tail_mode;      /* how the fused kernel's scalar loop rounds exp_avg_sq (see `step`) */
     float beta2, sq_coeff, bias_correction2_sqrt, eps, neg_step_size;
     int grad_dtype, moment_dtype, staging_dtype, amsgrad;
+    int master_dtype;   /* F32, or BF16 (the master rounded by `master_bits`) */
+    int stochastic;     /* a bfloat16 master: 1 rounds stochastically, 0 to nearest-even (a benchmark's control) */
+    uint32_t seed;      /* the stochastic rounding's seed for this call (the caller's: step, unit, piece, rank) */
+    uint32_t position;  /* the counter of element 0 of this call: its index in the parameter's rows */
 } Job;
 
 static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -53,6 +57,27 @@ static inline uint16_t bf16(float f) {
     return f != f ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)rounded;
 }
 
+/* A counter-based generator: Chris Wellons' lowbias32 hash of the seed and the element's position, so the bits an
+   element is rounded with depend on (step, unit, piece, rank, position) alone: threads, chunking and a resumed run
+   take the same ones. 32-bit multiplies, which AVX2 vectorises. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352dU;
+    x ^= x >> 15;
+    x *= 0x846ca68bU;
+    x ^= x >> 16;
+    return x;
+}
+
+/* float32 to bfloat16, rounded stochastically: 16 random bits added below the kept ones, then cut, so a value rounds
+   up with probability its distance from the lower neighbour over the gap (unbiased; Zamirai et al., arXiv
+   2010.06192). Infinities and NaN keep the nearest rounding. */
+static inline uint16_t master_bits(float f, uint32_t seed, uint32_t position, int stochastic) {
+    uint32_t u = to_bits(f);
+    if (!stochastic || (u & 0x7F800000u) == 0x7F800000u) return bf16(f);
+    return (uint16_t)((u + (mix32(position ^ seed) & 0xFFFFu)) >> 16);
+}
+
 static inline __attribute__((always_inline)) void store(void *p, int64_t i, float value, const int dtype) {
     if (dtype == F32) ((float *)p)[i] = value;
     else if (dtype == BF16) ((uint16_t *)p)[i] = bf16(value);
@@ -64,9 +89,9 @@ static inline __attribute__((always_inline)) void store(void *p, int64_t i, floa
 /* `sq_mode`: how exp_avg_sq = beta2 * v + ((1 - beta2) * g) * g is rounded. 0: as one fused multiply-add onto
    beta2 * v, as torch's build contracts the fused kernel's vector loop; its scalar loop over a tensor's last elements
    (fewer than one vector) is compiled otherwise: 1, no fused multiply-add, or 2, one onto ((1 - beta2) * g) * g. */
-static inline __attribute__((always_inline)) void step(const Job *job, const int gd, const int md, const int sd,
-                                                       const int amsgrad, const int sq_mode) {
-    float *restrict param = job->param;
+static inline __attribute__((always_inline)) void step(const Job *job, const int pd, const int gd, const int md,
+                                                       const int sd, const int amsgrad, const int sq_mode) {
+    void *restrict param = job->param;
     const void *restrict grad = job->grad;
     void *restrict exp_avg = job->exp_avg;
     void *restrict exp_avg_sq = job->exp_avg_sq;
@@ -74,10 +99,11 @@ static inline __attribute__((always_inline)) void step(const Job *job, const int
     void *restrict staging = job->staging;
     const float scale = job->grad_scale, decay = job->decay, coeff = job->lerp_coeff, beta2 = job->beta2;
     const float sq_coeff = job->sq_coeff, bc2 = job->bias_correction2_sqrt, eps = job->eps, lr = job->neg_step_size;
-    const int from_avg = job->lerp_from_avg;
+    const int from_avg = job->lerp_from_avg, stochastic = job->stochastic;
+    const uint32_t seed = job->seed, position = job->position;
     for (int64_t i = job->begin; i < job->end; i++) {
         float g = load(grad, i, gd) * scale;
-        float p = param[i] * decay;
+        float p = load(param, i, pd) * decay;
         float m = load(exp_avg, i, md);
         float v = load(exp_avg_sq, i, md);
         m = fmaf(coeff, g - m, from_avg ? m : g);
@@ -92,21 +118,29 @@ static inline __attribute__((always_inline)) void step(const Job *job, const int
         }
         float denom = sqrtf(v) / bc2 + eps;
         p = p + lr * m / denom;
-        param[i] = p;
+        if (pd == BF16) {  /* the staging copy takes the master's bits: the same weights on the host and the device */
+            uint16_t bits = master_bits(p, seed, position + (uint32_t)i, stochastic);
+            ((uint16_t *)param)[i] = bits;
+            p = from_bits((uint32_t)bits << 16);
+        } else {
+            ((float *)param)[i] = p;
+        }
         if (sd != NONE) store(staging, i, p, sd);
     }
 }
 
 /* one specialised copy of the loop per dtype combination: the dtypes are constants inside each */
-#define STEP_STAGING(gd, md, am)                           \
-    switch (job->staging_dtype) {                          \
-        case F32: step(job, gd, md, F32, am, 0); return 0;   \
-        case BF16: step(job, gd, md, BF16, am, 0); return 0; \
-        case F16: step(job, gd, md, F16, am, 0); return 0;   \
-        case NONE: step(job, gd, md, NONE, am, 0); return 0; \
-    }                                                      \
+#define STEP_STAGING(pd, gd, md, am)                           \
+    switch (job->staging_dtype) {                              \
+        case F32: step(job, pd, gd, md, F32, am, 0); return 0;   \
+        case BF16: step(job, pd, gd, md, BF16, am, 0); return 0; \
+        case F16: step(job, pd, gd, md, F16, am, 0); return 0;   \
+        case NONE: step(job, pd, gd, md, NONE, am, 0); return 0; \
+    }                                                          \
     return 1;
-#define STEP_AMSGRAD(gd, md) if (job->amsgrad) { STEP_STAGING(gd, md, 1) } else { STEP_STAGING(gd, md, 0) }
+#define STEP_MASTER(gd, md, am) \
+    if (job->master_dtype == BF16) { STEP_STAGING(BF16, gd, md, am) } else { STEP_STAGING(F32, gd, md, am) }
+#define STEP_AMSGRAD(gd, md) if (job->amsgrad) { STEP_MASTER(gd, md, 1) } else { STEP_MASTER(gd, md, 0) }
 
 static int run(const Job *job) {
     if (job->grad_dtype == F32 && job->moment_dtype == F32) { STEP_AMSGRAD(F32, F32) }
@@ -122,7 +156,7 @@ static int run(const Job *job) {
 
 /* A tensor's last elements, as the fused kernel's scalar loop computes them (one generic copy: a few elements) */
 static void run_tail(const Job *job) {
-    step(job, job->grad_dtype, job->moment_dtype, job->staging_dtype, job->amsgrad, job->tail_mode);
+    step(job, job->master_dtype, job->grad_dtype, job->moment_dtype, job->staging_dtype, job->amsgrad, job->tail_mode);
 }
 
 static void *run_thread(void *job) {
@@ -148,18 +182,19 @@ int lit_adamw_supported(int grad_dtype, int moment_dtype, int staging_dtype) {
 
 /* One AdamW step of elements [0, n) on `threads` threads (the caller's included), each on a contiguous range aligned
    to 16 elements; the last `tail` elements as the fused kernel's scalar loop computes them (`tail_mode`, see `step`).
-   Returns 0, or 1 for an unsupported dtype combination (nothing written). */
-int lit_adamw_step(float *param, const void *grad, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
-                   void *staging, int64_t n, int64_t tail, int tail_mode, int grad_dtype, int moment_dtype, int staging_dtype,
-                   int amsgrad, float grad_scale, float decay, float lerp_weight, float beta2, float sq_coeff,
-                   float bias_correction2_sqrt, float eps, float neg_step_size, int threads) {
-    if (!lit_adamw_supported(grad_dtype, moment_dtype, staging_dtype) || tail < 0 || tail > n || tail_mode < 0 ||
-        tail_mode > 2)
+   A bfloat16 master's element i is rounded with counter `position + i` under `seed` (`master_bits`). Returns 0, or 1 for an unsupported dtype combination (nothing written). */
+int lit_adamw_step(void *param, const void *grad, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
+                   void *staging, int64_t n, int64_t tail, int tail_mode, int master_dtype, int grad_dtype,
+                   int moment_dtype, int staging_dtype, int amsgrad, float grad_scale, float decay, float lerp_weight,
+                   float beta2, float sq_coeff, float bias_correction2_sqrt, float eps, float neg_step_size,
+                   int stochastic, uint32_t seed, uint32_t position, int threads) {
+    if (!lit_adamw_supported(grad_dtype, moment_dtype, staging_dtype) || (master_dtype != F32 && master_dtype != BF16) ||
+        tail < 0 || tail > n || tail_mode < 0 || tail_mode > 2)
         return 1;
     Job base = {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, staging, n - tail, n, grad_scale, decay,
                 fabsf(lerp_weight) < 0.5f ? lerp_weight : lerp_weight - 1.0f, fabsf(lerp_weight) < 0.5f, tail_mode,
                 beta2, sq_coeff, bias_correction2_sqrt, eps, neg_step_size,
-                grad_dtype, moment_dtype, staging_dtype, amsgrad};
+                grad_dtype, moment_dtype, staging_dtype, amsgrad, master_dtype, stochastic, seed, position};
     if (tail > 0) run_tail(&base);
     n -= tail;
     base.begin = 0;

@@ -40,12 +40,14 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.optim.adamw import adamw
 
 from lit_fsdp.errors import OneLineError
+from offload.rounding import MASK32, MasterRounding
 
 SOURCE = Path(__file__).with_name("adamw_kernel.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
 # the C file's dtype codes; staging None is NONE
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NONE = 3
+MASTER_DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
 #: False: every update takes torch's path (benchmarks compare the two)
@@ -178,8 +180,9 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError(f"LIT_FSDP_CC={named} is not an executable" if named else "no C compiler (cc or gcc) on PATH")
     library = ctypes.CDLL(str(build(cc)))
     f32, i32, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    library.lit_adamw_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, i32, i32,
-                                       f32, f32, f32, f32, f32, f32, f32, f32, i32]
+    u32 = ctypes.c_uint32
+    library.lit_adamw_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, i32, i32, i32,
+                                       f32, f32, f32, f32, f32, f32, f32, f32, i32, u32, u32, i32]
     library.lit_adamw_step.restype = i32
     library.lit_adamw_supported.argtypes = [i32, i32, i32]
     library.lit_adamw_supported.restype = i32
@@ -235,10 +238,10 @@ def _code(tensor: torch.Tensor | None) -> int | None:
 
 
 def supported(param: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tensor], staging: torch.Tensor | None) -> bool:
-    """Whether the kernel can step these tensors: float32 master, contiguous same-length tensors, dtypes it knows,
-    moments of one dtype, a kernel built, and ``enabled``."""
+    """Whether the kernel can step these tensors: a float32 or bfloat16 master, contiguous same-length tensors, dtypes
+    it knows, moments of one dtype, a kernel built, and ``enabled``."""
     tensors = [param, grad, *moments] + ([staging] if staging is not None else [])
-    if not enabled or param.dtype != torch.float32:
+    if not enabled or param.dtype not in MASTER_DTYPES:
         return False
     if any(t.device.type != "cpu" or not t.is_contiguous() or t.numel() != param.numel() for t in tensors):
         return False
@@ -265,7 +268,7 @@ def _probe_tail(lib: ctypes.CDLL, rank: int | None = None) -> tuple[int, int]:
         ours = [start.clone(), torch.zeros(numel), torch.zeros(numel)]
         for step, grad in enumerate(grads, 1):
             _call(lib, *ours, None, grad, None, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                  maximize=False, grad_scale=1.0, tail=numel % width, tail_mode=mode, threads=1)
+                  maximize=False, grad_scale=1.0, tail=numel % width, tail_mode=mode, threads=1, rounding=None)
         if all(torch.equal(a, b) for a, b in zip(ours, (weight, exp_avg, exp_avg_sq))):
             return width, mode
     warnings.warn(f"{_who(rank)}: the native CPU AdamW matched none of torch's fused kernel's roundings of a tensor's "
@@ -286,34 +289,38 @@ def scalar_tail(numel: int, first: int, last: int) -> tuple[int, int]:
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                max_exp_avg_sq: torch.Tensor | None, staging: torch.Tensor | None, *, step: float, lr: float,
                beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool = False,
-               grad_scale: float = 1.0, tail: int = 0, tail_mode: int = 0, threads: int | None = None) -> None:
+               grad_scale: float = 1.0, tail: int = 0, tail_mode: int = 0, threads: int | None = None,
+               rounding: MasterRounding | None = None) -> None:
     """One AdamW step, in place, as torch's fused kernel computes it at step count ``step`` (the step being taken,
     from 1), of tensors ``supported`` accepts; the gradient multiplied by ``grad_scale`` first and the new weights
     also written to ``staging`` (None: not written). The last ``tail`` elements are computed as the fused kernel's
-    scalar loop does, rounding by ``tail_mode`` (``scalar_tail``). ``threads`` defaults to ``torch.get_num_threads()``."""
+    scalar loop does, rounding by ``tail_mode`` (``scalar_tail``). A bfloat16 master is rounded by ``rounding``
+    (default: stochastically, seed 0, from position 0). ``threads`` defaults to ``torch.get_num_threads()``."""
     lib = library()
     if lib is None:
         raise RuntimeError("the native AdamW kernel is not built: check supported() first")
     _call(lib, param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, staging, step=step, lr=lr, beta1=beta1, beta2=beta2,
           eps=eps, weight_decay=weight_decay, maximize=maximize, grad_scale=grad_scale, tail=tail, tail_mode=tail_mode,
-          threads=threads or torch.get_num_threads())
+          threads=threads or torch.get_num_threads(), rounding=rounding)
 
 
 def _call(lib: ctypes.CDLL, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
           max_exp_avg_sq: torch.Tensor | None, grad: torch.Tensor, staging: torch.Tensor | None, *, step: float,
           lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool, grad_scale: float,
-          tail: int, tail_mode: int, threads: int) -> None:
+          tail: int, tail_mode: int, threads: int, rounding: MasterRounding | None) -> None:
     # the scalars as the fused kernel forms them: in double, then rounded to float32
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
+    rounding = rounding or MasterRounding()
     status = lib.lit_adamw_step(
         param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         max_exp_avg_sq.data_ptr() if max_exp_avg_sq is not None else None,
         staging.data_ptr() if staging is not None else None, param.numel(), tail, tail_mode,
-        _code(grad), _code(exp_avg), _code(staging), int(max_exp_avg_sq is not None),
+        _code(param), _code(grad), _code(exp_avg), _code(staging), int(max_exp_avg_sq is not None),
         -grad_scale if maximize else grad_scale, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
-        math.sqrt(bias_correction2), eps, -(lr / bias_correction1), threads,
+        math.sqrt(bias_correction2), eps, -(lr / bias_correction1), int(rounding.stochastic), rounding.seed,
+        rounding.position & MASK32, threads,
     )
     if status != 0:
-        raise RuntimeError(f"the native AdamW kernel has no case for gradient {grad.dtype}, moments {exp_avg.dtype}, "
-                           f"staging {None if staging is None else staging.dtype}")
+        raise RuntimeError(f"the native AdamW kernel has no case for master {param.dtype}, gradient {grad.dtype}, "
+                           f"moments {exp_avg.dtype}, staging {None if staging is None else staging.dtype}")

@@ -33,6 +33,8 @@ from torch.optim.adamw import adamw
 
 from compress.layout import UnitLayout
 from offload import adamw_kernel
+from offload import rounding
+from offload.rounding import MasterRounding, stochastic_round
 
 # The held optimizer's hyperparameters that the CPU optimizers follow.
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
@@ -48,7 +50,8 @@ CHUNK = 1_048_576
 
 def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: dict,
                          scratch: torch.Tensor, staging: torch.Tensor | None = None,
-                         span: tuple[int, int] | None = None, grad_scale: float = 1.0) -> None:
+                         span: tuple[int, int] | None = None, grad_scale: float = 1.0,
+                         rounding: MasterRounding | None = None) -> None:
     """One torch.optim.AdamW step of elements ``span`` (default: all) of ``param`` (float32), with the gradient
     multiplied by ``grad_scale`` first: the native kernel's one pass (``offload.adamw_kernel``) where it is built and
     takes these dtypes, else ``scratch.shape[1]`` elements at a time by torch's fused CPU AdamW kernel, on float32
@@ -56,10 +59,13 @@ def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[st
     back). Both give the fused kernel's bits. Decoupled weight decay, bias correction, amsgrad, maximize and the
     arithmetic are AdamW's own. ``grad`` holds the span's gradient; ``staging`` (``param``'s shape, any dtype) receives
     the new weights while they are in cache. The step count advances with the span that ends ``param``.
-    ``scratch`` is 3 float32 rows: the two moments and the gradient.
+    A bfloat16 ``param`` (``master_dtype: bfloat16``) is rounded by ``rounding`` (``offload.rounding``; its position
+    is that of the span's first element). ``scratch`` is 4 float32 rows: the two moments, the gradient and the master.
     """
     numel = param.numel()
     first, last = span or (0, numel)
+    if staging is not None and staging.data_ptr() == param.data_ptr():
+        staging = None  # the master is the staging copy (``master_in_staging``): written once, as the master
     param, grad = param.view(-1)[first:last], grad.reshape(-1)
     staging = staging.view(-1)[first:last] if staging is not None else None
     moments = [state["exp_avg"].view(-1)[first:last], state["exp_avg_sq"].view(-1)[first:last]]
@@ -71,19 +77,22 @@ def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[st
     if adamw_kernel.supported(param, grad, moments + ([peak] if amsgrad else []), staging):
         tail, tail_mode = adamw_kernel.scalar_tail(numel, first, last)
         adamw_kernel.adamw_step(param, grad, *moments, peak, staging, step=float(state["step"]) + 1,
-                                grad_scale=grad_scale, tail=tail, tail_mode=tail_mode, **hyperparameters)
+                                grad_scale=grad_scale, tail=tail, tail_mode=tail_mode, rounding=rounding,
+                                **hyperparameters)
     else:
-        _fused_step_in_chunks(param, grad, moments, peak, state["step"], hyperparameters, scratch, staging, grad_scale)
+        _fused_step_in_chunks(param, grad, moments, peak, state["step"], hyperparameters, scratch, staging, grad_scale,
+                              rounding or MasterRounding())
     if last == numel:
         state["step"] += 1
 
 
 def _fused_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tensor],
                           peak: torch.Tensor | None, step: torch.Tensor, hyperparameters: dict, scratch: torch.Tensor,
-                          staging: torch.Tensor | None, grad_scale: float) -> None:
+                          staging: torch.Tensor | None, grad_scale: float, rounding: MasterRounding) -> None:
     """``adamw_step_in_chunks`` by torch's fused kernel, chunk by chunk (see there)."""
     chunk_step = torch.empty_like(step)
     chunk, copied = scratch.shape[1], moments[0].dtype != torch.float32
+    narrow = param.dtype != torch.float32  # a bfloat16 master: stepped on a float32 copy, rounded back
     for start in range(0, param.numel(), chunk):
         end = min(start + chunk, param.numel())
         n = end - start
@@ -96,9 +105,12 @@ def _fused_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, moments: list
         m, v = (moment[start:end] for moment in moments)
         if copied:
             m, v = scratch[0, :n].copy_(m), scratch[1, :n].copy_(v)
+        p = scratch[3, :n].copy_(param[start:end]) if narrow else param[start:end]
         chunk_step.copy_(step)  # the kernel counts the step in it: every chunk takes the same one
-        adamw([param[start:end]], [g], [m], [v], [peak[start:end]] if peak is not None else [], [chunk_step],
+        adamw([p], [g], [m], [v], [peak[start:end]] if peak is not None else [], [chunk_step],
               fused=True, amsgrad=peak is not None, **hyperparameters)
+        if narrow:
+            param[start:end].copy_(stochastic_round(p, rounding.at(start)))
         if copied:
             moments[0][start:end].copy_(m)
             moments[1][start:end].copy_(v)
@@ -111,7 +123,7 @@ class CpuAdam:
 
     def __init__(self, layouts: list[UnitLayout], master: list[torch.Tensor], held: torch.optim.Optimizer,
                  device: torch.device = torch.device("cpu"), state_dtype: torch.dtype = torch.float32,
-                 chunk: int | None = None):
+                 chunk: int | None = None, rank: int = 0):
         if not isinstance(held, torch.optim.AdamW):
             raise TypeError(
                 f"SlideFSDP updates parameters with AdamW on the CPU; configure_optimizers returned "
@@ -122,9 +134,10 @@ class CpuAdam:
                 raise ValueError(f"SlideFSDP's bfloat16 optimizer state has no {option}: set {option}=False in "
                                  "configure_optimizers or optimizer_state_dtype: float32")
         self.held, self.state_dtype = held, state_dtype
+        self.rank = rank  # of the master's shard: a bfloat16 master's rounding seed (``offload.rounding.seed``)
         self.frozen: list[dict] | None = None  # the hyperparameters per held group (``freeze_hyperparameters``)
         # the chunked update's float32 copies, used by the worker thread only (one update at a time)
-        self._scratch = torch.empty(3, chunk or CHUNK)
+        self._scratch = torch.empty(4, chunk or CHUNK)
         group_of = {id(p): index for index, group in enumerate(held.param_groups) for p in group["params"]}
         self.pieces: list[list[nn.Parameter]] = []
         self.layouts = layouts
@@ -227,9 +240,11 @@ class CpuAdam:
             group.update(self._hyperparameters(group["held_group"]))
         with torch.no_grad():
             for index, span, gradient in spans:
-                piece = pieces[index]
-                adamw_step_in_chunks(piece, gradient, optimizer.state[piece], self.piece_groups[unit][index], self._scratch,
-                                     staging[index], span, grad_scale=grad_scale)
+                piece, state = pieces[index], optimizer.state[pieces[index]]
+                how = None if piece.dtype == torch.float32 else MasterRounding(
+                    rounding.stochastic, rounding.seed(int(state["step"]) + 1, unit, index, self.rank), span[0] if span else 0)
+                adamw_step_in_chunks(piece, gradient, state, self.piece_groups[unit][index], self._scratch,
+                                     staging[index], span, grad_scale=grad_scale, rounding=how)
         self.update_intervals.append((began, time.perf_counter()))
 
     def submit(self, task: Callable[[], None]) -> None:

@@ -1,8 +1,9 @@
-"""SlideFSDP's host memory: fp32 master shards, the staging copy the device loads from, and gradient buffers.
+"""SlideFSDP's host memory: master shards, the staging copy the device loads from, and gradient buffers.
 
 Per unit and rank:
 
-- **master**: this rank's rows of every trained parameter (shard layout, fp32). The ranks of a node own
+- **master**: this rank's rows of every trained parameter (shard layout; float32, or bfloat16 with ``master_dtype``,
+  then the staging rows themselves where they are laid out alike: ``master_in_staging``). The ranks of a node own
   disjoint rows, so a node holds one master copy in all (like FSDP's sharded state), whatever the
   number of ranks. A frozen parameter (LoRA's base) has none: its staging rows are its only host copy.
 - **staging**: what the device loads, in the compute dtype, every parameter. With ``param_transfer: shard`` each rank
@@ -214,6 +215,8 @@ class HostState:
         pin: bool,
         shared: SharedStaging | None,
         trained: list[UnitLayout] | None = None,
+        master_dtype: torch.dtype = torch.float32,
+        master_in_staging: bool = False,
     ):
         """
         Args:
@@ -223,6 +226,9 @@ class HostState:
             keep_gradients: One fp32 gradient buffer per unit (accumulation, clipping).
             incoming_full: Gradients arrive whole (``grad_sync: cpu_reduce``), not as this rank's shard.
             shared: The node's shared memory for full staging, when several ranks share it.
+            master_dtype: The master rows' dtype (float32, or bfloat16 rounded stochastically by the update).
+            master_in_staging: The master rows are this rank's staging rows (``offload.host_memory.master_in_staging``
+                decides): a bfloat16 master the device loads as it is, with no copy of its own.
         """
         self.layouts = layouts
         self.trained = trained or layouts
@@ -232,10 +238,18 @@ class HostState:
             self.trained_at.append([index[id(place.param)] for place in trained_layout.places])
         self.full_staging = full_staging
         self.shared = shared
-        self.master = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in self.trained]
         sizes = [layout.full_numel if full_staging else layout.shard_numel for layout in layouts]
         self.staging_region = shared.region if shared is not None else HostRegion.empty(sum(sizes), compute_dtype, pin)
         self.staging = list(self.staging_region.tensor[: sum(sizes)].split(sizes))
+        self.master_in_staging = master_in_staging
+        if master_in_staging:
+            self.master = self.staging
+            for unit in range(len(layouts)):  # the promise the plan made: each master row is its staging row
+                rows = zip(self.staging_targets(unit), self.trained[unit].local_views(self.master[unit]))
+                if compute_dtype != master_dtype or any(a.data_ptr() != b.data_ptr() or a.shape != b.shape for a, b in rows):
+                    raise AssertionError(f"unit {unit}'s master rows are not its staging rows")
+        else:
+            self.master = [torch.zeros(layout.shard_numel, dtype=master_dtype) for layout in self.trained]
         self.gradients = [torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=False)
                           for layout in self.trained] if keep_gradients else None
         units = [UnitSize(layout.full_numel, layout.shard_numel) for layout in self.trained]
@@ -261,7 +275,10 @@ class HostState:
 
     def write_staging(self, unit: int) -> None:
         """Copy this rank's master rows of ``unit`` into the staging copy, in the compute dtype (after init or a load;
-        the CPU update writes its rows as it goes). Frozen rows are written once, by init or loading, and kept."""
+        the CPU update writes its rows as it goes). Frozen rows are written once, by init or loading, and kept; a master
+        in the staging copy is there already."""
+        if self.master_in_staging:
+            return
         for target, rows in zip(self.staging_targets(unit), self.trained[unit].local_views(self.master[unit])):
             target.copy_(rows)
 
@@ -276,6 +293,21 @@ class HostState:
             region = self.activations[block] = HostRegion.empty(numel, dtype, pin)
         return region.tensor
 
+    def parameter_count(self) -> int:
+        return sum(place.numel for layout in self.layouts for place in layout.places)
+
+    def describe(self, compute: torch.dtype, shards: int, pin: bool) -> str:
+        """What the host holds, in a line: parameters (trained and frozen), units, the master and the staging copy."""
+        parameters = self.parameter_count()
+        trained = sum(place.numel for layout in self.trained for place in layout.places)
+        frozen = "" if trained == parameters else (f" ({trained / 1e6:.2f}M trained; the frozen rest has no master, "
+                                                   f"only its {compute} copy)")
+        master = "the staging copy" if self.master_in_staging else str(self.master[0].dtype) if self.master else "none"
+        largest = max(layout.full_numel for layout in self.layouts[:-1]) * compute.itemsize
+        return (f"{parameters / 1e6:.1f}M parameters{frozen} in {len(self.layouts) - 1} blocks + root; master "
+                f"({master}) sharded over {shards} rank(s) per node; blocks of {largest / 2**20:.1f} MiB in {compute}; "
+                f"{self.incoming.count} gradient slots, pinned host buffers: {pin}")
+
     def buffer_bytes(self, count_shared: bool) -> dict[str, int]:
         """This rank's host bytes per buffer, named as ``offload.host_memory.host_buffers`` names them (a shared
         staging copy only if ``count_shared``)."""
@@ -283,7 +315,7 @@ class HostState:
             return sum(t.numel() * t.element_size() for t in tensors or [])
 
         return {
-            "master": nbytes(self.master),
+            "master": 0 if self.master_in_staging else nbytes(self.master),
             "staging": nbytes(self.staging) if self.shared is None or count_shared else 0,
             "kept_gradients": nbytes(self.gradients),
             "gradient_ring": self.incoming.region.nbytes,

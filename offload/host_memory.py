@@ -1,7 +1,8 @@
 """SlideFSDP's host memory on one node, buffer by buffer: the one accounting behind the preflight, ``tune`` and ``OffloadStats``.
 
-Trained parameters have a float32 master, AdamW moments and gradients on the host, and a copy in the compute dtype
-(the staging copy the device loads); frozen ones (LoRA's base) have that copy only.
+Trained parameters have a master (float32, or bfloat16 with ``master_dtype``), AdamW moments and gradients on the
+host, and a copy in the compute dtype (the staging copy the device loads; a bfloat16 master can be that copy:
+``master_in_staging``); frozen ones (LoRA's base) have that copy only.
 
 Every buffer ``offload.host.HostState`` allocates, the offloaded activations' included, is counted at its exact
 size: each is one allocation, pinned by registering it in place, so torch's power-of-two rounding of pinned
@@ -69,18 +70,29 @@ class HostSetup:
     holds_step: bool = False  # delayed_update: a step's gradients wait in their buffers for the next step
     offloaded_activation_bytes: int = 0  # per rank: checkpointed block inputs kept on the host
     speculate: bool = False  # speculative_update: rows backed up before each update; gradients kept to the step's end
+    master_dtype: torch.dtype = torch.float32  # the trained parameters' master rows (``master_dtype``)
 
     @classmethod
     def of_knobs(cls, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, optimizer_state_dtype: torch.dtype,
                  processes: int, param_transfer: str, grad_sync: str, window: int, keep_gradients: bool,
                  offloaded_activation_bytes: int = 0, gradient_slots: int | None = None,
-                 delayed_update: bool = False, speculate: bool = False) -> "HostSetup":
+                 delayed_update: bool = False, speculate: bool = False,
+                 master_dtype: torch.dtype = torch.float32) -> "HostSetup":
         """The setup SlideFSDP's knobs give (``offload.SlideFSDPStrategy`` and the tuner's candidates); ``speculate``:
         the schedule's (``speculative_update`` where clipping or the guard could undo a step)."""
         return cls(compute_dtype, reduce_dtype, optimizer_state_dtype, processes, full_staging=param_transfer == "full",
                    keep_gradients=keep_gradients, incoming_full=grad_sync == "cpu_reduce", window=window,
                    gradient_slots=gradient_slots, holds_step=delayed_update,
-                   offloaded_activation_bytes=offloaded_activation_bytes, speculate=speculate)
+                   offloaded_activation_bytes=offloaded_activation_bytes, speculate=speculate, master_dtype=master_dtype)
+
+
+def master_in_staging(units: Sequence[UnitSize], setup: HostSetup) -> bool:
+    """Whether the master rows are the staging copy's rows (no copy of their own): a bfloat16 master where the device
+    computes in bfloat16, every parameter trained (so the master's layout is the staging copy's), each rank's rows
+    contiguous in it (``param_transfer: shard``, or one process), and no ``delayed_update``, whose updates run while the
+    device may still load the unit's rows of the step before (its staging rows are rewritten after that last load)."""
+    return (setup.master_dtype == setup.compute_dtype == torch.bfloat16 and not setup.holds_step
+            and (not setup.full_staging or setup.processes == 1) and not any(unit.frozen_full_numel for unit in units))
 
 
 #: Piece sizes are multiples of this many elements: a piece then starts where a whole update's vector lanes would, and
@@ -156,8 +168,10 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
     trained_full = sum(unit.trained().full_numel for unit in units)
     trained_shard = sum(unit.trained().shard_numel for unit in units)
     incoming = piece_capacity(units, setup.incoming_full, ranks) + FLAG_ELEMENTS
+    master = setup.master_dtype.itemsize
     parts = {
-        "master": ranks * trained_shard * 4,
+        # counted in the staging copy when it is the master (``master_in_staging``)
+        "master": 0 if master_in_staging(units, setup) else ranks * trained_shard * master,
         # exp_avg and exp_avg_sq of each rank's rows
         "adam_moments": trained_full * 2 * setup.optimizer_state_dtype.itemsize,
         "staging": (full if setup.full_staging else ranks * shard) * setup.compute_dtype.itemsize,
@@ -165,7 +179,7 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
         "gradient_ring": ranks * gradient_slots(units, setup) * incoming * setup.reduce_dtype.itemsize,
         "activations": ranks * setup.offloaded_activation_bytes,
         # speculative_update: each rank's master rows and both moments as they were before the step's update
-        "speculation_backup": (ranks * trained_shard * (4 + 2 * setup.optimizer_state_dtype.itemsize)
+        "speculation_backup": (ranks * trained_shard * (master + 2 * setup.optimizer_state_dtype.itemsize)
                                if setup.speculate else 0),
     }
     return parts

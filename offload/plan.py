@@ -26,6 +26,7 @@ from offload.host_memory import (
     describe,
     gradient_slots,
     host_buffers,
+    master_in_staging,
     offloaded_activation_bytes,
     with_runtime,
 )
@@ -98,7 +99,8 @@ class SlidePlan:
     run: SlideRun
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    speculative_update: bool = False  # a knob, last for the callers that predate it
+    speculative_update: bool = False  # knobs, last for the callers that predate them
+    master_dtype: torch.dtype = torch.float32
 
     @cached_property
     def schedule(self) -> UpdateSchedule:
@@ -141,7 +143,11 @@ class SlidePlan:
         return HostSetup.of_knobs(self.compute_dtype, self.reduce_dtype, self.optimizer_state_dtype,
                                   self.run.processes_per_node, self.param_transfer, self.grad_sync, self.window,
                                   self.schedule.keep_gradients, activation_bytes, self.gradient_slots,
-                                  self.delayed_update, self.schedule.speculate)
+                                  self.delayed_update, self.schedule.speculate, self.master_dtype)
+
+    def master_in_staging(self, units: Sequence[UnitSize]) -> bool:
+        """Whether the master rows are the staging copy's (``offload.host_memory.master_in_staging``)."""
+        return master_in_staging(units, self.setup())
 
     def ring_slots(self, units: Sequence[UnitSize]) -> int:
         """Gradient buffers per rank for ``units`` (``offload.host_memory.gradient_slots``; refuses too few)."""

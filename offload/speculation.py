@@ -3,7 +3,7 @@
 Clipping and the non-finite guard need the step's global gradient norm, which is known only once the backward is
 over. The synchronous way defers every CPU update to then, losing their overlap with the backward; the delayed update
 keeps the overlap but applies stale gradients. The speculative update runs each unit's update as its gradient
-arrives, with clipping coefficient 1, after copying the rows it is about to change (the float32 master and both
+arrives, with clipping coefficient 1, after copying the rows it is about to change (the master and both
 moments, in their own dtypes, and each piece's step count) into a backup allocated at setup. At the optimizer step
 the global norm, summed as the pieces arrived, decides (``SpeculativeBackup.settle``):
 
@@ -14,8 +14,9 @@ the global norm, summed as the pieces arrived, decides (``SpeculativeBackup.sett
 - the norm is not finite and the guard stops or skips the step: restored, and left so.
 
 The undo is exact: it copies back what the update overwrote (no approximate inverse of AdamW). The staging rows are
-not backed up: they are the master rounded to the compute dtype, so they are rewritten from the restored master. The
-backup is one more pass over the rows before each update (4 + 2 x moment bytes read and as many written per
+not backed up: they are the master rounded to the compute dtype, so they are rewritten from the restored master (or
+are the master, restored with it); a redo rounds a bfloat16 master with the bits of the first try (its seed comes from
+the restored step count). The backup is one more pass over the rows before each update (master + 2 x moment bytes read and as many written per
 parameter); a kernel that writes the old values out as it reads them would fold it into the update's own pass.
 """
 

@@ -67,6 +67,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         cpu_binding: Literal["numa", "none"] = "numa",
         control_cores: int = 1,
         optimizer_state_dtype: OptimizerStateDType = "float32",
+        master_dtype: OptimizerStateDType = "float32",
         delayed_update: bool = False,
         delayed_update_warmup: int = 0,
         speculative_update: bool = False,
@@ -90,7 +91,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             activation_offload: ``cpu`` keeps the inputs of checkpointed blocks in pinned host memory between
                 forward and backward (needs activation_checkpointing >= 1).
             param_dtype: Dtype of the weights on the device and of the compute; ``auto`` is bfloat16 on GPUs that
-                support it, else float32. Master weights stay float32 on the host (moments: ``optimizer_state_dtype``).
+                support it, else float32. Master weights stay on the host (``master_dtype``; moments: ``optimizer_state_dtype``).
             reduce_dtype: Dtype the gradients are reduced and copied to the host in; ``auto`` (default) follows
                 ``param_dtype``: bfloat16 on GPUs halves the device-to-host bytes, and the CPU update reads it as it is.
             activation_checkpointing: Recompute the activations of every k-th block in backward; 0 turns it off.
@@ -104,6 +105,10 @@ class SlideFSDPStrategy(CausalLMStrategy):
             control_cores: Cores of each rank's share left to the threads that launch kernels and run autograd.
             optimizer_state_dtype: AdamW moments on the host; ``bfloat16`` halves them (8 -> 4 B/param; the update
                 still computes in float32, and the moments are rounded to nearest after it).
+            master_dtype: The master weights on the host; ``bfloat16`` halves them (4 -> 2 B/param), the update rounding
+                them stochastically (``offload.rounding``: unbiased, and the same bits on resume); with a bfloat16
+                ``param_dtype`` the master is then the copy the device loads (none of its own, except with
+                ``delayed_update`` or LoRA, or several processes with ``param_transfer: full``).
             delayed_update: Apply each step's CPU updates during the next step's forward and backward (ZeRO-Offload's
                 one-step delayed parameter update, DPU), so that the update overlaps the whole step, clipping included
                 (the norm is known when the updates start); every step computes with weights one update old. Each
@@ -146,8 +151,9 @@ class SlideFSDPStrategy(CausalLMStrategy):
             raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for usable cores / processes per node, less one")
         if host_memory_gb is not None and not host_memory_gb > 0:
             raise ValueError(f"SlideFSDP host_memory_gb={host_memory_gb} must be > 0, or null for MemAvailable")
-        if optimizer_state_dtype not in get_args(OptimizerStateDType):
-            raise ValueError(f"SlideFSDP optimizer_state_dtype={optimizer_state_dtype!r}: set it to float32 or bfloat16")
+        for knob, value in (("optimizer_state_dtype", optimizer_state_dtype), ("master_dtype", master_dtype)):
+            if value not in get_args(OptimizerStateDType):
+                raise ValueError(f"SlideFSDP {knob}={value!r}: set it to float32 or bfloat16")
         self.window, self.param_transfer, self.grad_sync = window, param_transfer, grad_sync
         self.activation_offload, self.compile_blocks, self.cpu_threads = activation_offload, compile_blocks, cpu_threads
         if cpu_binding not in ("numa", "none"):
@@ -155,7 +161,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
         if control_cores < 0:
             raise ValueError(f"SlideFSDP control_cores={control_cores} must be >= 0")
         self.cpu_binding, self.control_cores = cpu_binding, control_cores
-        self.optimizer_state_dtype, self.delayed_update = optimizer_state_dtype, delayed_update
+        self.optimizer_state_dtype, self.master_dtype = optimizer_state_dtype, master_dtype
+        self.delayed_update = delayed_update
         if delayed_update_warmup < 0:
             raise ValueError(f"SlideFSDP delayed_update_warmup={delayed_update_warmup} must be >= 0 optimizer steps")
         self.delayed_update_warmup = delayed_update_warmup
@@ -189,7 +196,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             gradient_slots=self.gradient_slots, on_nonfinite=self.on_nonfinite,
             run=SlideRun.of_trainer(trainer, self.root_device.type), compute_dtype=compute,
             reduce_dtype=self.resolve_dtype(self.reduce_dtype, fallback=compute),
-            speculative_update=self.speculative_update,
+            speculative_update=self.speculative_update, master_dtype=getattr(torch, self.master_dtype),
         )
 
     def model_units(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
@@ -277,10 +284,11 @@ class SlideFSDPStrategy(CausalLMStrategy):
         if full and shards > 1:
             numel = sum(layout.full_numel for layout in layouts)
             shared = SharedStaging(numel, compute, pin, shard_rank, node_tag(self.node_rank), shard_mesh.get_group())
-        slots = plan.ring_slots(sizes_of(layouts, trained, self.grad_sync == "gpu_reduce"))
+        sizes = sizes_of(layouts, trained, self.grad_sync == "gpu_reduce")
         self.host = HostState(
             layouts, compute, reduce, full_staging=full, keep_gradients=plan.schedule.keep_gradients,
-            incoming_full=self.grad_sync == "cpu_reduce", ring_size=slots, pin=pin, shared=shared, trained=trained,
+            incoming_full=self.grad_sync == "cpu_reduce", ring_size=plan.ring_slots(sizes), pin=pin, shared=shared,
+            trained=trained, master_dtype=plan.master_dtype, master_in_staging=plan.master_in_staging(sizes),
         )
         self.host_state_dict = HostStateDict(network, trained, self.host.master, self.cpu_mesh, self.host.frozen_rows())
         with self.host_state_dict.parameters_as_dtensors():
@@ -305,20 +313,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
         )
         if self.compile_blocks:
             compile_forwards(blocks, device)
-        self._describe(layouts, compute, shards, pin)
-
-    def _describe(self, layouts: list, compute: torch.dtype, shards: int, pin: bool) -> None:
-        parameters = self.parameter_count()
-        trained = sum(place.numel for layout in self.host.trained for place in layout.places)
-        frozen = "" if trained == parameters else (f" ({trained / 1e6:.2f}M trained; the frozen rest has no master, "
-                                                   f"only its {compute} copy)")
-        largest = max(layout.full_numel for layout in layouts[:-1]) * compute.itemsize
-        rank_zero_info(
-            f"SlideFSDP: {parameters / 1e6:.1f}M parameters{frozen} in {len(layouts) - 1} blocks + root; master sharded over "
-            f"{shards} rank(s) per node; device window {self.window} x {largest / 2**20:.1f} MiB in {compute}; "
-            f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}, {self.host.incoming.count} gradient "
-            f"slots, pinned host buffers: {pin}"
-        )
+        rank_zero_info(f"SlideFSDP: {self.host.describe(compute, shards, pin)}; device window {self.window} blocks; "
+                       f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}")
 
     def offload_report(self) -> SlideFSDPStrategy | None:
         """This strategy: it gives what ``lit_fsdp.reporting.OffloadReport`` declares, once its engine is built."""
@@ -331,7 +327,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
 
     def parameter_count(self) -> int:
         assert self.host is not None
-        return sum(place.numel for layout in self.host.layouts for place in layout.places)
+        return self.host.parameter_count()
 
     def host_buffer_bytes(self) -> dict[str, int]:
         """This rank's host bytes per buffer as allocated (``offload.host_memory`` names; a shared staging copy is
@@ -370,7 +366,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         if self.adam is not None:
             self.adam.close()
         self.adam = CpuAdam(self.host.trained, self.host.master, self.optimizers[0], self.root_device,
-                            getattr(torch, self.optimizer_state_dtype))
+                            getattr(torch, self.optimizer_state_dtype), rank=self.cpu_mesh["shard"].get_local_rank())
         self.engine.gradients.attach(self.adam)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -177,36 +177,40 @@ def fsdp2_traffic(trainer: RunTrainer, candidate: Candidate, parameters: int, tr
     return traffic
 
 
-def adamw_state_bytes(optimizer_state_dtype: torch.dtype) -> int:
-    """Host bytes SlideFSDP's AdamW moves per parameter besides the gradient reads and the staging write: the fp32
-    weight and the two moments (in ``optimizer_state_dtype``) read and written."""
-    return 4 * 2 + optimizer_state_dtype.itemsize * 2 * 2
+def adamw_state_bytes(optimizer_state_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> int:
+    """Host bytes SlideFSDP's AdamW moves per parameter besides the gradient reads and the staging write: the master
+    weight (in ``master_dtype``) and the two moments (in ``optimizer_state_dtype``) read and written."""
+    return master_dtype.itemsize * 2 + optimizer_state_dtype.itemsize * 2 * 2
 
 
-def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype, reduce_dtype: torch.dtype) -> int:
+def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype, reduce_dtype: torch.dtype,
+                     units: list[UnitSize] = ()) -> int:
     """Host bytes SlideFSDP's CPU updates of ``parameters`` trained parameters read and write per node per optimizer
     step, as implemented today (a frozen one, LoRA's base, is never updated).
 
-    Per trained parameter, in one pass per chunk (``offload.cpu_adam``): AdamW's fp32 weight and moments read and
+    Per trained parameter, in one pass per chunk (``offload.cpu_adam``): AdamW's master weight and moments read and
     written
     (``adamw_state_bytes``), the staging copy written from the chunk in cache (the compute dtype), and the gradient,
     read by AdamW in the dtype it arrives in, or accumulated into the kept fp32 buffer each micro-batch when
-    gradients are kept. A delayed update cannot write the staging copy while the next step may load it: the unit's
+    gradients are kept; no staging write where the master is the staging copy (``units``: the model's, to tell; by
+    default assumed to train every parameter). A delayed update cannot write the staging copy while the next step may load it: the unit's
     rows are rewritten from the master (read again) once it is loaded for the last time. The non-finite check is the device's with ``gpu_reduce``; with ``cpu_reduce`` the host
     reads the gradient once more for it.
     """
     strategy = trainer.strategy
-    schedule = strategy.plan(trainer, compute).schedule
+    plan = strategy.plan(trainer, compute)
+    schedule, master = plan.schedule, plan.master_dtype
     reduce = reduce_dtype.itemsize
-    per = adamw_state_bytes(getattr(torch, strategy.optimizer_state_dtype)) + compute.itemsize
+    state = adamw_state_bytes(plan.optimizer_state_dtype, master)
+    per = state + (0 if plan.master_in_staging(units) else compute.itemsize)
     if schedule.keep_gradients:
         per += trainer.accumulate_grad_batches * (reduce + 8) + 4
     else:
         per += reduce
     if schedule.delay:  # the staging row rewritten from the master after the unit's last load of the step
-        per += 4
+        per += master.itemsize
     if schedule.speculate:  # the rows backed up before the update (read, then written), the gradient read for its norm
-        per += adamw_state_bytes(getattr(torch, strategy.optimizer_state_dtype)) + (4 if schedule.keep_gradients else reduce)
+        per += state + (4 if schedule.keep_gradients else reduce)
     if schedule.check_units_finite and strategy.grad_sync == "cpu_reduce":
         per += 4 if schedule.keep_gradients else reduce
     return parameters * per
@@ -244,7 +248,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         units = strategy.model_units(module, data, trainer.num_devices)
         host = strategy.host_buffer_estimate(trainer, module, data, compute=compute, units=units)
         traffic = slide_traffic(trainer, units, data.batch_size, data.seq_len, config.hidden_size, compute, reduce)
-        update_bytes = cpu_update_bytes(trainer, model.trained, compute, reduce)
+        update_bytes = cpu_update_bytes(trainer, model.trained, compute, reduce, units)
     else:
         host = {"model_states": memory.host_per_node} if candidate.cpu_offload else {}
         traffic = fsdp2_traffic(trainer, candidate, model.parameters, model.trained, compute, reduce)

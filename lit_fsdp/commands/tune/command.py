@@ -137,6 +137,7 @@ def run_shape(trainer: pl.Trainer, module: Any, data: Any, hardware: Hardware) -
                    clipping=bool(trainer.gradient_clip_val),
                    loss_chunk_tokens=getattr(module.hparams, "loss_chunk_tokens", 0),
                    optimizer_state_dtype=getattr(trainer.strategy, "optimizer_state_dtype", "float32"),
+                   master_dtype=getattr(trainer.strategy, "master_dtype", "float32"),
                    # SlideFSDP's; a SlideFSDP candidate from FSDP2 configs gets the strategy's default
                    reduce_dtype=trainer.strategy.reduce_dtype if isinstance(trainer.strategy, SlideFSDPStrategy) else "auto",
                    outer=semi.config.outer if (semi := getattr(trainer.strategy, "semi_sync", None)) else None,

@@ -113,7 +113,7 @@ class ModelShape:
         return cls(
             parameters=parameters, block_parameters=max(in_blocks), root_parameters=parameters - sum(in_blocks),
             layers=len(blocks), hidden=hidden, intermediate=matmul_shape(config).last_weights // hidden,
-            vocab=config.vocab_size, gated_mlp=any("gate_proj" in name for name, _ in blocks[0][1].named_parameters()),
+            vocab=config.vocab_size, gated_mlp=any(gate in name for name, _ in blocks[0][1].named_parameters() for gate in ("gate_proj", "gate_up_proj")),
             adapters=trained, block_adapters=max(block_adapters), root_adapters=trained - sum(block_adapters),
             adapter_ranks=max(sum(m.lora_A.shape[0] for m in block) for block in modules),
             adapter_dropped=dropped,
@@ -229,7 +229,7 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
             gradient_slots=None, on_nonfinite=run.on_nonfinite,
             run=SlideRun(processes, run.nodes, -(-run.batch_per_process // candidate.micro_batch), run.clipping,
                          run.accelerator),
-            compute_dtype=dtype, reduce_dtype=reduce,
+            compute_dtype=dtype, reduce_dtype=reduce, master_dtype=getattr(torch, run.master_dtype),
         )
         host = sum(plan.host_buffers(units, offloaded_activations).values())
     else:

@@ -47,6 +47,7 @@ class RunShape:
     clipping: bool
     loss_chunk_tokens: int = 0  # the model's chunked loss (lit_fsdp.loss); 0: the plain loss
     optimizer_state_dtype: str = "float32"  # SlideFSDP's AdamW moments on the host (the configs' SlideFSDP knob)
+    master_dtype: str = "float32"  # SlideFSDP's master weights on the host (the configs' SlideFSDP knob)
     reduce_dtype: str = "auto"  # the configs' reduce_dtype: SlideFSDP's gradients reach the host in it (auto: compute dtype)
     outer: OuterConfig | None = None  # semi-synchronous training's outer step (the configs' sync_every > 0)
     on_nonfinite: str = "stop"  # the configs' guard: skip_step keeps SlideFSDP's gradients until the step's norm is known
