@@ -40,6 +40,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
     ),
+    # The shapes of Qwen2.5 14B (14.77e9 parameters) and 32B (32.76e9): biased q, k and v projections, untied head,
+    # 152k vocabulary; random weights, as for every preset (a real checkpoint: --model.pretrained_path Qwen/...).
+    "qwen2.5-14b": dict(
+        model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+        num_key_value_heads=8, max_position_embeddings=131072, vocab_size=152064, rope_theta=1000000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, use_sliding_window=False,
+    ),
+    "qwen2.5-32b": dict(
+        model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+        num_key_value_heads=8, max_position_embeddings=131072, vocab_size=152064, rope_theta=1000000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, use_sliding_window=False,
+    ),
 }
 
 

@@ -22,6 +22,8 @@ StepFunction = Callable[[Record, str, Path], None]
 QUICKSTART = "configs/quickstart.yaml"
 ONE_B = (QUICKSTART, "configs/llama_1b.yaml")
 EIGHT_B = (QUICKSTART, "configs/llama_8b_offload.yaml")
+QWEN_32B_LORA = (QUICKSTART, "configs/qwen_32b_lora.yaml")
+QWEN_14B_FULL = (QUICKSTART, "configs/qwen_14b_full.yaml")
 
 
 @dataclass(frozen=True)
@@ -390,6 +392,12 @@ STEPS: dict[str, Step] = {step.name: step for step in (
                  "peak, the loss falling"),
     Step("eight_b_lora", eight_b(lambda device: merge(eight_b_before(device), LORA)), 230, requires="slide_fsdp",
          records="LoRA rank 16 on the 8B with the control's settings: host and device peaks against estimate's"),
+    Step("qwen_32b_lora", Fit(QWEN_32B_LORA, as_shipped, steps=8, cpu_steps=3, offload=True), 480,
+         records="configs/qwen_32b_lora.yaml as shipped (its base built on the host with random weights, nothing "
+                 "downloaded): tokens/s, MFU (4N for the frozen base), device peak, the lowest MemAvailable"),
+    Step("qwen_14b_full", Fit(QWEN_14B_FULL, as_shipped, steps=8, cpu_steps=3, offload=True), 420,
+         records="configs/qwen_14b_full.yaml as shipped (bfloat16 master in the staging copy, random weights): "
+                 "tokens/s, MFU, the CPU update, device peak, the lowest MemAvailable"),
 )}
 #: The default plan: the probe (its hardware.json is what every estimate uses), the 8B and the 1B as shipped. Their
 #: deadlines add up to PLAN_SECONDS at most, so the plan fits one device call; the other steps (the 8B's other update

@@ -26,6 +26,10 @@ OWN = {
     "llama_8b_offload.yaml": ["callbacks.Throughput", "callbacks.Memory", "callbacks.CompressionStats",
                               "callbacks.Quality", "callbacks.OffloadStats", "callbacks.Results"],
     "offload.yaml": [*STANDARD, "callbacks.OffloadStats"],  # appended: SlideFSDP's host-device traffic and CPU update
+    "qwen_32b_lora.yaml": [*STANDARD, "callbacks.OffloadStats"],
+    # checkpointing off: one checkpoint of the 14B is 84 GiB
+    "qwen_14b_full.yaml": ["callbacks.Throughput", "callbacks.Memory", "callbacks.Quality", "callbacks.OffloadStats",
+                           "callbacks.Results"],
 }
 
 
