@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.aggregation import MeanMetric
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+import transformers
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from lit_fsdp import lora as lora_adapters
+from lit_fsdp.hub import model_folder
 from lit_fsdp.data.tokenizer import tokenizer_files
 from lit_fsdp.errors import OneLineError, RunError
 from lit_fsdp.lightning_compat import reopen_cut_epoch
@@ -31,7 +33,8 @@ except ImportError:  # transformers 4.x
 
 
 class CausalLM(pl.LightningModule):
-    """A causal language model from a named preset or a local Hugging Face folder, trained from scratch or fine-tuned."""
+    """A causal language model from a named preset, a local Hugging Face folder or a Hub model, trained from scratch or
+    fine-tuned."""
 
     def __init__(
         self,
@@ -50,8 +53,9 @@ class CausalLM(pl.LightningModule):
         """
         Args:
             preset: Model shape from ``lit_fsdp.presets`` (random init): gpt2-tiny, gpt2-small, gpt2-124m,
-                llama-tiny, llama-1b, llama-8b. Ignored when ``pretrained_path`` is set.
-            pretrained_path: Local Hugging Face model folder (config.json + safetensors) to start from.
+                llama-tiny, llama-1b, llama-8b, qwen2.5-14b, qwen2.5-32b. Ignored when ``pretrained_path`` is set.
+            pretrained_path: Hugging Face model (config.json + safetensors) to start from: a local folder, or a Hub
+                name owner/name[@revision] read from the Hub cache (downloaded when online, HF_HUB_OFFLINE unset).
             config_overrides: Hugging Face config fields to change, e.g. ``{n_layer: 6}``.
             learning_rate: Peak AdamW learning rate.
             weight_decay: AdamW weight decay, applied to matrices and embeddings only.
@@ -70,10 +74,14 @@ class CausalLM(pl.LightningModule):
         super().__init__()
         self._lora = lora_adapters.as_config(lora)
         lora = None if self._lora is None else asdict(self._lora)  # saved as a plain dict: checkpoints load weights_only
-        self.save_hyperparameters()
+        self.save_hyperparameters()  # the name as given: a run resumed elsewhere resolves it in that machine's cache
         self._logged_nonfinite_steps: int | None = None
+        # A Hub name is resolved (and downloaded) once, here, before any process starts: the processes started later
+        # find its snapshot through the environment (hub.RESOLVED_ENV), and every reader takes this folder.
+        self.pretrained_folder = pretrained_path and model_folder(pretrained_path, "--model.pretrained_path")
         # An unknown preset, an unreadable config.json or a bad override fails here, before any process starts.
-        check_overrides(pretrained_config(pretrained_path) if pretrained_path else build_config(preset), config_overrides)
+        config = pretrained_config(pretrained_path, self.pretrained_folder) if pretrained_path else build_config(preset)
+        check_overrides(config, config_overrides)
         try:
             self.hf_config()
         except Exception as error:  # transformers' own validation (strict dataclasses in 5.x) raises its own types
@@ -100,8 +108,8 @@ class CausalLM(pl.LightningModule):
         """The Hugging Face config this module builds, with the vocabulary size of the data (``datamodule``, default
         the trainer's) when it has one."""
         hp = self.hparams
-        if hp.pretrained_path is not None:
-            config = AutoConfig.from_pretrained(hp.pretrained_path, local_files_only=True)
+        if self.pretrained_folder is not None:
+            config = AutoConfig.from_pretrained(self.pretrained_folder, local_files_only=True, trust_remote_code=False)
             for key, value in (hp.config_overrides or {}).items():
                 setattr(config, key, value)
             return config
@@ -144,13 +152,13 @@ class CausalLM(pl.LightningModule):
     def initialize_weights(self, blocks: list[tuple[str, torch.nn.Module]]) -> None:
         """Write initial values into the sharded parameters: pretrained rows or a seeded random init."""
         assert self.model is not None
-        if self.hparams.pretrained_path is not None:
-            load_by_shard(self.model, self.hparams.pretrained_path, skip=lora_adapters.adapter_names(self.model))
+        if self.pretrained_folder is not None:
+            load_by_shard(self.model, self.pretrained_folder, skip=lora_adapters.adapter_names(self.model))
         else:
             init_by_unit(self.model, blocks, self.model._init_weights, self._init_seed)
         if self._lora is not None:
             lora_adapters.init_adapters(self.model, self._init_seed)
-            path = self.hparams.pretrained_path
+            path = self.pretrained_folder  # a Hub name's snapshot folder: its path names the commit
             base = str(Path(path).resolve()) if path else f"preset {self.hparams.preset}"
             self._base_record = lora_adapters.base_record(self.model, self._lora, base, self._init_seed)
 
@@ -274,18 +282,29 @@ class CausalLM(pl.LightningModule):
         reopen_cut_epoch(checkpoint, self._trainer)
 
 
-def pretrained_config(path: str) -> PretrainedConfig:
-    """The Hugging Face config of the folder ``--model.pretrained_path`` names, or a one-line error saying what is wrong."""
-    file = Path(path) / "config.json"
+def pretrained_config(path: str, folder: str | None = None) -> PretrainedConfig:
+    """The Hugging Face config of the model ``--model.pretrained_path`` names (``path``; ``folder``, where it was
+    resolved to, default ``path``), or a one-line error saying what is wrong. A repository's own code is never run."""
+    folder = path if folder is None else folder
+    file = Path(folder) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"--model.pretrained_path {path} has no config.json; give a folder written by save_pretrained "
-                                "or by python -m lit_fsdp export CHECKPOINT FOLDER (docs/finetuning.md makes one)")
+                                "or by python -m lit_fsdp export CHECKPOINT FOLDER (docs/finetuning.md makes one), or a "
+                                "Hub name owner/name")
     try:
-        json.loads(file.read_text())
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        fields = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise OneLineError(f"--model.pretrained_path {path}: {file} is not valid JSON ({error}), e.g. cut short by a "
                            "copy; copy the folder again or write it with save_pretrained") from error
+    model_type = fields.get("model_type") if isinstance(fields, dict) else None
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        # transformers would ask for trust_remote_code (or prompt on a terminal, where it is left unset)
+        raise OneLineError(f"--model.pretrained_path {path}: model_type {model_type!r} is unknown to transformers "
+                           f"{transformers.__version__}, and lit_fsdp does not run a repository's own code "
+                           "(trust_remote_code stays off); give a model of a type transformers knows, or install a "
+                           "transformers that knows it")
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise OneLineError(f"--model.pretrained_path {path}: {file} is not a Hugging Face config ({_first_line(error)}); "
                            "give a folder written by save_pretrained") from error

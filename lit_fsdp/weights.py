@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -152,7 +153,8 @@ def load_by_shard(model: nn.Module, folder: str | Path, skip: Collection[str] = 
                 raise ValueError(f"{folder} has no weight for parameter {key!r}; is it the same architecture?")
             file = weight_map[key]
             if file not in handles:
-                if not (folder / file).resolve().is_relative_to(folder.resolve()):
+                # by name, not by resolving links: the Hub cache links each snapshot file to ../../blobs/<sha>
+                if not Path(os.path.normpath(folder / file)).is_relative_to(os.path.normpath(folder)):
                     raise ValueError(f"{index_file} maps {key!r} to {file!r}, which is not a file inside {folder}; "
                                      "use the index that save_pretrained wrote with the weights")
                 handles[file] = safe_open(str(folder / file), framework="pt")

@@ -37,6 +37,7 @@ NEWEST_TESTED = {
     "numpy": "2.5.5",
     "pyyaml": "6.0.4",
     "tqdm": "4.70.1",
+    "huggingface-hub": "2.4.0",
     "peft": "0.21.2",
 }
 

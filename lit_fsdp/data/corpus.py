@@ -1,5 +1,6 @@
 """Corpus files as users have them: JSON arrays, JSON Lines (plain, ``.gz`` or ``.zst``), Parquet, and a folder or
-glob of such files (the ``wikimedia/wikipedia`` shards as downloaded, ``20231101.en/train-000NN-of-000MM.parquet``).
+glob of such files (the ``wikimedia/wikipedia`` shards as downloaded, ``20231101.en/train-000NN-of-000MM.parquet``),
+also by a Hub data set's name and subfolder (``wikimedia/wikipedia:20231101.en``, ``lit_fsdp.hub.dataset_path``).
 
 A ``Corpus`` is its files read one after the other as one stream of records. A record's document is its title and
 text joined by a newline (the text alone without a title). JSON is streamed record by record and Parquet read in
@@ -24,6 +25,8 @@ from typing import Any, BinaryIO, TypeVar
 import ijson
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from lit_fsdp.hub import dataset_path
 
 #: Parquet rows converted to Python strings at a time: under 1 MB of Wikipedia articles (3 kB each on average).
 ROWS_PER_BATCH = 256
@@ -127,16 +130,18 @@ def open_corpus(
     spec: str | Path, flag: str, text_field: str | None = "text", records: str = "articles",
     listed: str = "a JSON array or JSON Lines file", objects: str = "objects",
 ) -> Corpus:
-    """The corpus a path gives (a file, a folder of corpus files, or a glob), after a cheap check of every file.
+    """The corpus a path gives (a file, a folder of corpus files, a glob, or a Hub data set's subfolder
+    ``owner/name[@revision]:subfolder``), after a cheap check of every file.
 
     Called when the DataModule is built, so a missing file, an unreadable or compressed-wrong file, or a Parquet
     shard without a string ``text_field`` column fails before any worker process starts (a Parquet check reads the
     footer only). ``text_field`` None skips the column check (chat samples say what they lack row by row);
     ``records``, ``listed`` and ``objects`` say in the messages what the files hold.
     """
-    given = str(Path(spec).expanduser())
+    given = str(Path(dataset_path(str(spec), flag)).expanduser())
     path = Path(given).absolute()
-    formats = f"{listed}, .jsonl.gz, .jsonl.zst, Parquet, or a folder or glob of them"
+    formats = (f"{listed}, .jsonl.gz, .jsonl.zst, Parquet, a folder or glob of them, or a Hub data set "
+               "owner/name:subfolder")
     if glob.has_magic(given) and not path.exists():
         files = [Path(name) for name in sorted(glob.glob(str(path), recursive=True)) if Path(name).is_file()]
         if not files:

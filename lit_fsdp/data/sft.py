@@ -35,6 +35,7 @@ from lit_fsdp.data.corpus import Corpus, file_records, is_plain_json, open_corpu
 from lit_fsdp.data.progress import CorpusProgress
 from lit_fsdp.data.token_cache import WAIT_TIMEOUT_S, cache_dir_or_default, cache_key, wait_or_build
 from lit_fsdp.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from lit_fsdp.hub import tokenizer_folder
 
 #: Samples rendered and tokenised in one batch while a cache is built.
 SAMPLES_PER_CHUNK = 1024
@@ -310,10 +311,12 @@ class SFTDataModule(BlockDataModule):
         Args:
             train_path: JSON Lines or JSON array of samples: {"messages": [{"role", "content"}, ...]} with roles
                 system, user and assistant, or {"prompt", "completion"}; also .jsonl.gz, .jsonl.zst, Parquet with
-                those columns, or a folder or glob of such files.
+                those columns, a folder or glob of such files, or a Hub data set's subfolder
+                owner/name[@revision]:subfolder, read from the Hub cache (downloaded when online).
             val_path: Validation samples in the same format; by default the last val_fraction of the training rows.
-            tokenizer_path: Local Hugging Face tokenizer folder; by default the tokenizer in --model.pretrained_path
-                (one of the two is required). Its chat template renders the samples, else a plain template.
+            tokenizer_path: Hugging Face tokenizer: a local folder or a Hub name owner/name[@revision] (from the Hub
+                cache); by default the tokenizer in --model.pretrained_path (one of the two is required). Its chat
+                template renders the samples, else a plain template.
             seq_len: Positions per row.
             batch_size: Rows per process per micro-batch.
             packing: Pack several samples into a row (first fit, in file order); otherwise one padded sample per row.
@@ -337,10 +340,12 @@ class SFTDataModule(BlockDataModule):
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.vocab_size = None  # type: ignore[assignment]
         if tokenizer_path is not None:
-            if not Path(tokenizer_path).expanduser().is_dir():
+            folder = tokenizer_folder(tokenizer_path, "--data.tokenizer_path")
+            if not Path(folder).expanduser().is_dir():
                 raise FileNotFoundError(f"--data.tokenizer_path {tokenizer_path}: no such folder; give a local Hugging "
-                                        "Face tokenizer folder, or leave it unset to use --model.pretrained_path's")
-            self._tokenizer = load_tokenizer(Path(tokenizer_path).expanduser())
+                                        "Face tokenizer folder or a Hub name owner/name, or leave it unset to use "
+                                        "--model.pretrained_path's")
+            self._tokenizer = load_tokenizer(Path(folder).expanduser())
             self.vocab_size = len(self._tokenizer)
         #: per file, what building its cache counted (samples, rows, without_answer, truncated, dropped, ...)
         self.stats: dict[str, dict[str, Any]] = {}
@@ -386,11 +391,13 @@ class SFTDataModule(BlockDataModule):
 
     def _model_tokenizer(self) -> PreTrainedTokenizerBase:
         module = None if self.trainer is None else self.trainer.lightning_module
-        pretrained = (getattr(module, "hparams", None) or {}).get("pretrained_path")
+        # CausalLM resolved a Hub name to its snapshot folder when it was built; another module's name is resolved here
+        pretrained = getattr(module, "pretrained_folder", None)
+        pretrained = pretrained or (getattr(module, "hparams", None) or {}).get("pretrained_path")
         if pretrained is None:
             raise ValueError("--data.tokenizer_path is not set and there is no --model.pretrained_path to take the "
                              "tokenizer from; give --data.tokenizer_path (a Hugging Face tokenizer folder)")
-        return load_tokenizer(pretrained)
+        return load_tokenizer(tokenizer_folder(pretrained, "--model.pretrained_path"))
 
     def _cache(self, source: Corpus, renderer: ChatRenderer, local_rank: int) -> tuple[Path, dict[str, Any]]:
         settings = {"seq_len": self.seq_len, "packing": self.packing, "too_long": self.too_long,

@@ -19,11 +19,15 @@ EOS_TOKEN = "<|endoftext|>"
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The Hugging Face tokenizer saved in the folder ``path``, read without touching the network."""
+    """The Hugging Face tokenizer saved in the folder ``path``, read without touching the network or running code the
+    folder ships (trust_remote_code stays off; transformers would otherwise ask for it on a terminal)."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as error:
         message = " ".join(str(error).split())
+        if "trust_remote_code" in message:
+            raise ValueError(f"the tokenizer in {path} needs its repository's own code, which lit_fsdp does not run "
+                             "(trust_remote_code stays off); give a tokenizer transformers loads by itself") from None
         raise ValueError(f"cannot load a Hugging Face tokenizer from {path}: {message}") from None
     if tokenizer.eos_token_id is None:
         raise ValueError(

@@ -1,7 +1,8 @@
 """Wikipedia-style articles as training data: records with a ``text`` (and optionally a ``title``) in JSON, JSON Lines
-(plain, ``.gz``, ``.zst``) or Parquet files, or a folder or glob of them (``lit_fsdp.data.corpus``).
+(plain, ``.gz``, ``.zst``) or Parquet files, a folder or glob of them, or a Hub data set's subfolder of Parquet shards
+(``lit_fsdp.data.corpus``).
 
-The tokenizer (a local Hugging Face folder, or a byte-level BPE trained on the training corpus) and each
+The tokenizer (a Hugging Face folder or Hub name, or a byte-level BPE trained on the training corpus) and each
 corpus's token stream are built once into ``cache_dir`` and reused by every later run with the same inputs.
 """
 
@@ -19,6 +20,7 @@ from lit_fsdp.data.corpus import Corpus, open_corpus
 from lit_fsdp.data.progress import CorpusProgress
 from lit_fsdp.data.token_cache import WAIT_TIMEOUT_S, MappedTokens, cache_dir_or_default, cache_key, cached_tokens, wait_or_build
 from lit_fsdp.data.tokenizer import load_tokenizer, train_bpe
+from lit_fsdp.hub import tokenizer_folder
 
 
 class WikipediaDataModule(BlockDataModule):
@@ -47,10 +49,13 @@ class WikipediaDataModule(BlockDataModule):
         """
         Args:
             train_path: Articles to train on: a JSON array or JSON Lines file of {"title", "text"} records (also
-                .jsonl.gz, .jsonl.zst), a Parquet file, or a folder or glob of such files (Parquet shards as downloaded).
+                .jsonl.gz, .jsonl.zst), a Parquet file, a folder or glob of such files (Parquet shards as downloaded),
+                or a Hub data set's subfolder, owner/name[@revision]:subfolder (wikimedia/wikipedia:20231101.en), read
+                from the Hub cache (downloaded when online, HF_HUB_OFFLINE unset).
             val_path: Validation articles in the same formats; by default the last val_fraction of the training blocks.
             text_field: The field (JSON) or column (Parquet) holding each article's text; a "title" is put before it.
-            tokenizer_path: Local Hugging Face tokenizer folder; by default a byte-level BPE is trained on train_path.
+            tokenizer_path: Hugging Face tokenizer: a local folder or a Hub name owner/name[@revision] (from the Hub
+                cache, as train_path); by default a byte-level BPE is trained on train_path.
             vocab_size: Vocabulary size of the trained BPE, eos included (ignored with tokenizer_path).
             seq_len: Tokens per training sequence.
             batch_size: Sequences per process per micro-batch.
@@ -67,16 +72,17 @@ class WikipediaDataModule(BlockDataModule):
             raise ValueError("--data.text_field is empty; give the name of the field or column holding the text")
         self.train_path = open_corpus(train_path, "--data.train_path", text_field)
         self.val_path = None if val_path is None else open_corpus(val_path, "--data.val_path", text_field)
-        if tokenizer_path is not None and not Path(tokenizer_path).expanduser().is_dir():
+        folder = None if tokenizer_path is None else tokenizer_folder(tokenizer_path, "--data.tokenizer_path")
+        if folder is not None and not Path(folder).expanduser().is_dir():
             raise FileNotFoundError(
-                f"--data.tokenizer_path {tokenizer_path}: no such folder; give a local Hugging Face tokenizer folder, "
-                "or leave it unset to train a BPE on --data.train_path"
+                f"--data.tokenizer_path {tokenizer_path}: no such folder; give a local Hugging Face tokenizer folder or a Hub "
+                "name owner/name, or leave it unset to train a BPE on --data.train_path"
             )
         if tokenizer_path is None and vocab_size <= 256:
             raise ValueError(f"--data.vocab_size must exceed the 256 byte tokens of a byte-level BPE, got {vocab_size}")
         if max_documents is not None and max_documents < 1:
             raise ValueError(f"--data.max_documents must be positive or unset, got {max_documents}")
-        self.tokenizer_path = None if tokenizer_path is None else Path(tokenizer_path).expanduser()
+        self.tokenizer_path = None if folder is None else Path(folder).expanduser()
         self.bpe_vocab_size = vocab_size
         self.vocab_size = vocab_size
         self.val_fraction = val_fraction
