@@ -154,3 +154,56 @@ def test_a_bfloat16_master_trains_and_resumes_with_the_same_bits_on_two_processe
     assert len(whole["train/loss"]) == steps and whole["train/loss"][-1] < whole["train/loss"][0]
     assert first["train/loss"] + second["train/loss"] == whole["train/loss"]
 
+
+
+def shipped(config: str):
+    """``configs/<config>`` as the preflight sees it on one GPU (no GPU needed): strategy, trainer, module, data."""
+    import types
+
+    import yaml
+
+    from lit_fsdp.model import CausalLM
+    from offload.strategy import SlideFSDPStrategy
+    from tests.helpers import REPO
+
+    settings = yaml.safe_load((REPO / "configs" / config).read_text())
+    strategy = SlideFSDPStrategy(**settings["trainer"]["strategy"]["init_args"])
+    strategy.parallel_devices = [torch.device("cuda", 0)]
+    trainer = types.SimpleNamespace(num_devices=1, num_nodes=1, accumulate_grad_batches=1,
+                                    gradient_clip_val=settings["trainer"]["gradient_clip_val"])
+    data = types.SimpleNamespace(tokenizer=None, **settings["data"]["init_args"])
+    return strategy, trainer, CausalLM(**settings["model"]), data
+
+
+def test_the_14b_full_fine_tune_fits_a_128_gib_host_with_its_master_in_the_staging_copy_and_not_80():
+    """configs/qwen_14b_full.yaml through the preflight's plan: 14.77B parameters, the bfloat16 master the staging copy
+    (27.5 GiB, no master of its own), bfloat16 moments (55.0), 8 ring buffers: 89.6 GiB with the runtime, so 38 GiB
+    to spare on 128; refused in one line on 80."""
+    from offload.host_memory import GIB
+
+    strategy, trainer, module, data = shipped("qwen_14b_full.yaml")
+    units = strategy.model_units(module, data, 1)
+    plan = strategy.plan(trainer)
+    assert round(sum(unit.full_numel for unit in units) / 1e9, 2) == 14.77 and plan.master_in_staging(units)
+    parts = plan.check_host(units, 128 * GIB, "available")
+    assert parts["master"] == 0 and round(parts["staging"] / GIB, 1) == 27.5 and round(parts["adam_moments"] / GIB, 1) == 55.0
+    assert parts["kept_gradients"] == parts["speculation_backup"] == 0
+    assert 128 * GIB - sum(parts.values()) > 38 * GIB
+    with pytest.raises(ValueError, match=r"^SlideFSDP needs 89.6 GiB of host memory per node for 14.77B parameters"):
+        plan.check_host(units, 80 * GIB, "available")
+
+
+def test_the_32b_lora_fits_a_128_gib_host_with_its_unquantised_base_in_the_staging_copy():
+    """configs/qwen_32b_lora.yaml: the frozen base once, in bfloat16 (61.3 GiB of staging copy), the adapters' (rank 16
+    on every linear layer of the 64 blocks: 134,217,728) float32 master (4 B), moments (8) and the speculative update's
+    backup of both (12): 3 GiB together."""
+    from offload.host_memory import GIB
+
+    strategy, trainer, module, data = shipped("qwen_32b_lora.yaml")
+    units = strategy.model_units(module, data, 1)
+    plan = strategy.plan(trainer)
+    parts = plan.check_host(units, 128 * GIB, "available")
+    assert round(sum(unit.full_numel for unit in units) / 1e9, 2) == 32.90 and not plan.master_in_staging(units)
+    assert round(parts["staging"] / GIB, 1) == 61.3
+    assert parts["master"] + parts["adam_moments"] + parts["speculation_backup"] == 24 * 134_217_728
+    assert 128 * GIB - sum(parts.values()) > 55 * GIB
