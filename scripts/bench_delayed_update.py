@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -52,13 +53,15 @@ def arm_knobs(arm: str) -> dict[str, str]:
     return {"delayed_update": str(arm != "synchronous").lower(), "delayed_update_warmup": warmup}
 
 
-def run(seed: int, arm: str, steps: int, devices: int, folder: Path, learning_rate: float, wikitext: bool) -> dict:
-    """One fit of ``arm``; its losses, gradient norms and the steps its speculative update rolled back."""
+def run(seed: int, arm: str, steps: int, devices: int, folder: Path, learning_rate: float, wikitext: bool,
+        knobs: dict[str, str] | None = None, environment: dict[str, str] | None = None) -> dict:
+    """One fit of ``arm`` (its SlideFSDP ``knobs``, default ``arm_knobs(arm)``; ``environment`` added to the fit's);
+    its losses, gradient norms and the steps its speculative update rolled back."""
     folder.mkdir(parents=True, exist_ok=True)
     callbacks = folder / "callbacks.yaml"
     # no checkpoints (they would apply a delayed update); OffloadStats logs each step's rollback
     callbacks.write_text(json.dumps({"trainer": {"callbacks": [{"class_path": "callbacks.OffloadStats"}]}}))
-    knobs = [a for name, value in arm_knobs(arm).items() for a in (f"--trainer.strategy.init_args.{name}", value)]
+    knobs = [a for name, value in (knobs or arm_knobs(arm)).items() for a in (f"--trainer.strategy.init_args.{name}", value)]
     command = [sys.executable, "-m", "lit_fsdp", "fit", "--config", "configs/quickstart.yaml",
                *(WIKITEXT if wikitext else []),
                "--config", "configs/offload.yaml", "--config", str(callbacks), "--seed_everything", str(seed),
@@ -68,7 +71,7 @@ def run(seed: int, arm: str, steps: int, devices: int, folder: Path, learning_ra
                "--trainer.enable_checkpointing", "false", "--comm_profiler", "false",
                "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(folder),
                *knobs, "--trainer.default_root_dir", str(folder)]
-    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **(environment or {})})
     metrics = read_metrics(max(folder.glob("lightning_logs/version_*/metrics.csv")))
     return {"seed": seed, "arm": arm, "family": "lit_fsdp", "data": "wikitext2" if wikitext else "markov",
             "steps": steps, "learning_rate": learning_rate, "devices": devices, "train_loss": metrics["train/loss"],
@@ -152,11 +155,11 @@ def steps_behind(synchronous: list[list[float]], other: list[list[float]], windo
     return len(other) - 1 - reached
 
 
-def table(rows: list[dict], tail: int) -> str:
+def table(rows: list[dict], tail: int, reference: str = "synchronous") -> str:
     """Markdown: per arm the mean over seeds of the last ``tail`` steps' train loss and of the last validation loss,
-    with their spreads, and the paired differences."""
+    with their spreads, and the paired differences against the ``reference`` arm."""
     by = {(row["arm"], row["seed"]): row for row in rows}
-    arms = ["synchronous", *sorted({row["arm"] for row in rows} - {"synchronous"})]
+    arms = [reference, *sorted({row["arm"] for row in rows} - {reference})]
     seeds = sorted({seed for arm, seed in by if all((a, seed) in by for a in arms)})
     if not seeds:
         return "no seed has every arm yet"
@@ -168,20 +171,20 @@ def table(rows: list[dict], tail: int) -> str:
         return row["val_loss"][-1] if row["val_loss"] else float("nan")
 
     lines = [f"| arm | train loss, last {tail} steps | last validation loss | steps behind at the end (seed mean, "
-             f"{tail}-step mean; the synchronous arm against itself: noise) |", "|---|---|---|---|"]
+             f"{tail}-step mean; the {reference} arm against itself: noise) |", "|---|---|---|---|"]
     for arm in arms:
         train = [tail_loss(by[arm, s]) for s in seeds]
         val = [last_val(by[arm, s]) for s in seeds]
         spread = (lambda xs: float("nan") if any(math.isnan(x) for x in xs)
                   else statistics.stdev(xs) if len(xs) > 1 else 0.0)
-        behind = steps_behind([by["synchronous", s]["train_loss"] for s in seeds],
+        behind = steps_behind([by[reference, s]["train_loss"] for s in seeds],
                               [by[arm, s]["train_loss"] for s in seeds], tail)
         lines.append(f"| {arm} | {statistics.fmean(train):.4f} ± {spread(train):.4f} | "
                      f"{statistics.fmean(val):.4f} ± {spread(val):.4f} | {behind} |")
     for arm in arms[1:]:
-        diffs = [tail_loss(by[arm, s]) - tail_loss(by["synchronous", s]) for s in seeds]
-        val_diffs = [last_val(by[arm, s]) - last_val(by["synchronous", s]) for s in seeds]
-        lines.append(f"| {arm} - synchronous, paired | {statistics.fmean(diffs):+.4f} "
+        diffs = [tail_loss(by[arm, s]) - tail_loss(by[reference, s]) for s in seeds]
+        val_diffs = [last_val(by[arm, s]) - last_val(by[reference, s]) for s in seeds]
+        lines.append(f"| {arm} - {reference}, paired | {statistics.fmean(diffs):+.4f} "
                      f"({', '.join(f'{d:+.4f}' for d in diffs)}) | {statistics.fmean(val_diffs):+.4f} "
                      f"({', '.join(f'{d:+.4f}' for d in val_diffs)}) | |")
     return "\n".join(lines) + f"\n\n{len(seeds)} seeds ({', '.join(map(str, seeds))}), {rows[0]['steps']} steps each."

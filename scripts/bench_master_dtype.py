@@ -1,0 +1,66 @@
+"""How well does a bfloat16 master train against a float32 one? WikiText-2 loss on the CPU, paired seeds.
+
+Each seed trains gpt2-tiny on WikiText-2 at the quickstart's shape (``bench_delayed_update``'s ``--wikitext`` run:
+clipping 1.0, the quickstart's learning-rate schedule) under SlideFSDP with bfloat16 compute three times, the same
+data in the same order: a float32 master (``master_dtype: float32``, what the 8B ships), a bfloat16 master rounded
+stochastically by the update (``master_dtype: bfloat16``), and a bfloat16 master rounded to nearest (the control:
+what stochastic rounding buys). A JSON line per run goes to ``--out`` as it ends; ``--table`` prints each arm's mean
+and spread over seeds and the paired differences against the float32 master.
+
+    python scripts/bench_master_dtype.py --seeds 1 2 3 --steps 1000
+    python scripts/bench_master_dtype.py --table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_delayed_update import run, table  # noqa: E402  (the WikiText-2 fit and the paired table)
+from offload.rounding import ROUNDING_VARIABLE  # noqa: E402
+
+REFERENCE = "float32 master"
+#: arm: (SlideFSDP knobs, environment)
+ARMS = {
+    REFERENCE: ({"master_dtype": "float32"}, {}),
+    "bfloat16 master, stochastic rounding": ({"master_dtype": "bfloat16"}, {}),
+    "bfloat16 master, rounded to nearest": ({"master_dtype": "bfloat16"}, {ROUNDING_VARIABLE: "nearest"}),
+}
+COMMON = {"param_dtype": "bfloat16", "delayed_update": "false"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (the quickstart's: 3e-3)")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--tail", type=int, default=50, help="steps the final train loss is averaged over")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_master_dtype.jsonl")
+    parser.add_argument("--table", action="store_true", help="print the table from --out and stop")
+    args = parser.parse_args()
+    if not args.table:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as work:
+            for seed in args.seeds:
+                for arm in args.arms:
+                    knobs, environment = ARMS[arm]
+                    row = run(seed, arm, args.steps, 1, Path(work) / f"{len(arm)}-{seed}", args.lr, True,
+                              {**COMMON, **knobs}, environment)
+                    with args.out.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    print(f"seed {seed} {arm}: last {args.tail} steps {statistics.fmean(row['train_loss'][-args.tail:]):.4f}, "
+                          f"validation {row['val_loss'][-1] if row['val_loss'] else float('nan'):.4f}", flush=True)
+    rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
+    print(table(rows, args.tail, REFERENCE))
+
+
+if __name__ == "__main__":
+    main()
