@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from callbacks.run_folder import log_metrics, write_json
 from lit_fsdp.device_peaks import matmul_format, peak_tflops
-from lit_fsdp.flops import flops_per_token, matmul_shape, recompute_flops_per_token
+from lit_fsdp.flops import flops_per_token, matmul_shape
 from lit_fsdp.lora import adapter_parameters, trained_matrices
 from lit_fsdp.reporting import strategy_report
 
@@ -47,7 +47,9 @@ class Throughput(pl.Callback):
     (``lit_fsdp.flops``, activation-checkpointing recompute not counted; ``hfu`` counts it) and the
     peak of the GPU at the strategy's ``param_dtype`` (``lit_fsdp.device_peaks``) or ``peak_tflops``.
     Without a known peak (CPU, an unlisted GPU) MFU is null and rank 0 says so in one info line: expected
-    on a CPU, so not a warning.
+    on a CPU, so not a warning. With ``--model.float8`` the peak stays the bf16 one (torchtitan's convention: MFU
+    then compares with bf16 runs, and the head and attention do not run in float8); the figures say so in ``float8``
+    (the recipe) and ``mfu_peak_format`` (``bf16``, or ``given`` for ``peak_tflops``), and rank 0 in one info line.
 
     While training, the tokens/s of the last ``RUNNING_STEPS`` steps are logged as ``perf/tokens_per_s_running``
     and show in the progress bar as ``tok/s``. The run's figures are logged as ``perf/*`` at the end of fit and
@@ -70,11 +72,12 @@ class Throughput(pl.Callback):
         self.samples_per_step = 0
         self.seq_len = 0
         self.world_size = 1
-        self.checkpoint_every = 0
+        self.recompute_flops = lambda config, seq_len: 0  # the strategy's, at train start
         self.model_config: PretrainedConfig | None = None
         self.trained: int | None = None  # weights trained where the rest is frozen (LoRA's adapters); None: all
         self.trained_matrices = 0  # the base's matrices trained beside LoRA's adapters (a head tied to embeddings)
         self.peak = peak_tflops  # the given peak, or the table's once training starts
+        self.float8: str | None = None  # the blocks' float8 recipe (--model.float8); None: off
         self._start = 0.0
         self._new_step = True
 
@@ -85,7 +88,7 @@ class Throughput(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.world_size = trainer.world_size
-        self.checkpoint_every = strategy_report(trainer).activation_checkpointing
+        self.recompute_flops = strategy_report(trainer).recompute_flops
         config = getattr(getattr(pl_module, "model", None), "config", None)
         self.model_config, problems = None, []
         if not isinstance(config, PretrainedConfig):
@@ -101,10 +104,16 @@ class Throughput(pl.Callback):
             except ValueError as error:
                 problems.append(str(error))
         self.peak = self.peak_tflops
+        recipe = (getattr(pl_module, "hparams", None) or {}).get("float8", "off")
+        self.float8 = None if recipe in (None, "off") else recipe
+        if self.float8 is not None:
+            rank_zero_info(f"Throughput: --model.float8 {self.float8}: MFU is counted against the "
+                           f"{'bf16' if self.peak is None else 'given'} peak, not the fp8 one, as torchtitan does")
         if self.peak is None:
             device = pl_module.device
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-            dtype = compute_dtype(trainer)
+            # float8: the bf16 peak whatever param_dtype is, so that MFU compares with bf16 runs
+            dtype = torch.bfloat16 if self.float8 is not None else compute_dtype(trainer)
             self.peak = peak_tflops(name, dtype)
             if self.peak is None:
                 problems.append(
@@ -161,9 +170,11 @@ class Throughput(pl.Callback):
             summary["flops_per_token"] = model_flops
             if self.peak is not None:
                 per_device = tokens_per_s / self.world_size / (self.peak * 1e12)
-                recompute = recompute_flops_per_token(self.model_config, self.seq_len, self.checkpoint_every)
+                recompute = self.recompute_flops(self.model_config, self.seq_len)
                 summary["mfu"] = model_flops * per_device
                 summary["hfu"] = (model_flops + recompute) * per_device
+        if self.float8 is not None:  # which peak MFU was counted against, and why not the fp8 one
+            summary.update(float8=self.float8, mfu_peak_format="bf16" if self.peak_tflops is None else "given")
         return summary
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -172,7 +183,7 @@ class Throughput(pl.Callback):
             return
         # loggers take numbers: a flag is logged as 0 or 1 (the results record keeps it a boolean)
         log_metrics(trainer, {f"perf/{key}": float(value) if isinstance(value, bool) else value
-                              for key, value in summary.items() if value is not None})
+                              for key, value in summary.items() if value is not None and not isinstance(value, str)})
         # every measured step's time beside the statistics: the run's own record of its spread
         measured = self.step_seconds[self.warmup_steps :] or self.step_seconds
         write_json(trainer, "throughput.json", {**summary, "step_times_ms": [s * 1000 for s in measured]})

@@ -29,6 +29,7 @@ up and down projections. Phi-3 fuses Q, K and V into one matrix and gate and up 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
@@ -114,16 +115,21 @@ def flops_per_token(config: PretrainedConfig, seq_len: int, trained: int | None 
     return 4 * weights + 6 * trained + 2 * trained_matrices + attention
 
 
-def recompute_flops_per_token(config: PretrainedConfig, seq_len: int, checkpoint_every: int) -> int:
-    """FLOPs per token that activation checkpointing adds: the forward of every ``checkpoint_every``-th block again.
+def recompute_flops_per_token(config: PretrainedConfig, seq_len: int, checkpoint_every: int | Sequence[int],
+                              whole_block: bool = False) -> int:
+    """FLOPs per token that activation checkpointing adds: the forward of every ``checkpoint_every``-th block again
+    (blocks 0, k, 2k, ..., as ``lit_fsdp.parallelize`` checkpoints them; 0: none), or of the blocks it lists.
 
-    0 when checkpointing is off. Blocks 0, k, 2k, ... are checkpointed (``lit_fsdp.parallelize``).
     Non-reentrant checkpointing stops recomputing once the last tensor backward needs is back
     (``torch.utils.checkpoint.set_checkpoint_early_stop``, on by default): the block's last matmul,
-    whose output only joins the residual sum, is not run again.
+    whose output only joins the residual sum, is not run again. SlideFSDP's (``whole_block``) runs the whole
+    block's forward again, that matmul included.
     """
-    if checkpoint_every <= 0:
-        return 0
     shape = matmul_shape(config)
-    keys = shape.keys(seq_len)[::checkpoint_every]  # the checkpointed blocks'
-    return len(keys) * 2 * (shape.block_weights - shape.last_weights) + 4 * shape.attention_width * sum(keys)
+    keys = shape.keys(seq_len)
+    if isinstance(checkpoint_every, int):
+        keys = keys[::checkpoint_every] if checkpoint_every > 0 else []
+    else:
+        keys = [keys[block] for block in checkpoint_every]
+    weights = shape.block_weights - (0 if whole_block else shape.last_weights)
+    return len(keys) * 2 * weights + 4 * shape.attention_width * sum(keys)

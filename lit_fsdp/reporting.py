@@ -91,6 +91,10 @@ class StrategyReport(ABC):
     label: str
     #: Every k-th block recomputes its forward in the backward (0: none); the FLOP count of MFU adds it.
     activation_checkpointing: int = 0
+    #: The blocks that recompute their forward, where a plan lists them (None: every k-th, as above), and whether
+    #: the whole forward runs again (SlideFSDP's) or stops before the block's last matmul (torch's checkpointing).
+    recomputed_blocks: tuple[int, ...] | None = None
+    recomputes_whole_block: bool = False
 
     #: The gradient compression configuration; None without one.
     compression: CompressionConfig | None = None
@@ -98,6 +102,13 @@ class StrategyReport(ABC):
     @abstractmethod
     def compute_dtype(self) -> torch.dtype:
         """The dtype the matmuls run in (MFU's peak)."""
+
+    def recompute_flops(self, config: Any, seq_len: int) -> int:
+        """FLOPs per token the backward's recompute adds (HFU counts them, MFU does not)."""
+        from lit_fsdp.flops import recompute_flops_per_token
+
+        every = self.recomputed_blocks if self.recomputed_blocks is not None else self.activation_checkpointing
+        return recompute_flops_per_token(config, seq_len, every, self.recomputes_whole_block)
 
     def compression_hook(self) -> CompressionReport | None:
         """The installed gradient compression (its counters and state), None where gradients go uncompressed."""

@@ -32,10 +32,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from compress.layout import UnitLayout
+from offload.activation_plan import ActivationPlan
 from offload.checkpointing import ActivationStore, BeforeBackward, CheckpointedBlock
 from offload.cpu_adam import CpuAdam
 from offload.gradients import GradientPipeline
 from offload.residency import DeviceWindow
+from offload.saved_on_host import HostSavedBlock, SavedOnHost
 from offload.schedule import UpdateSchedule
 from offload.transfers import Transfers
 
@@ -85,7 +87,7 @@ class SlideEngine:
         window: DeviceWindow,
         gradients: GradientPipeline,
         transfers: Transfers,
-        checkpoint_every: int,
+        plan: ActivationPlan,
         offload_activations: bool,
         pin: bool,
         schedule: UpdateSchedule,
@@ -94,6 +96,8 @@ class SlideEngine:
         Args:
             blocks: The network's blocks in forward order; ``layouts`` has one layout per block, then the root (every
                 parameter; ``gradients.layouts`` are the trained ones).
+            plan: Each block's activations kept, saved on the host or recomputed (``offload.activation_plan``);
+                ``offload_activations``: a recomputed block's input on the host.
             schedule: When the CPU updates run (``offload.schedule``): deferred to the end of the backward (clipping,
                 skip_step) or delayed to the next step, else started as each unit's gradients arrive.
         """
@@ -107,6 +111,7 @@ class SlideEngine:
         self.num_blocks = len(blocks)
         self.window, self.gradients, self.transfers = window, gradients, transfers
         self.activations = ActivationStore(self, offload_activations, gradients.host, pin)
+        self.saved = SavedOnHost(transfers, gradients.host, pin, [slot.buffer for slot in window.slots])
         self.phase = IDLE
         self.accumulating = False  # inside Lightning's block_backward_sync: no update at this backward
         self.schedule = schedule
@@ -116,17 +121,18 @@ class SlideEngine:
         self.step_began: float | None = None  # perf_counter when the last optimizer step returned (delayed updates)
         self._handles: list[RemovableHandle] = []
         self.keep_after_forward = max(0, len(window.slots) - 1)
-        self.checkpointed = self._wrap_and_hook(blocks, checkpoint_every)
+        self.checkpointed = self._wrap_and_hook(blocks, plan)
 
     # --- installation ------------------------------------------------------------------------------
 
-    def _wrap_and_hook(self, blocks: list[tuple[str, nn.Module]], checkpoint_every: int) -> set[int]:
-        checkpointed = set()
+    def _wrap_and_hook(self, blocks: list[tuple[str, nn.Module]], plan: ActivationPlan) -> set[int]:
         for index, (name, block) in enumerate(blocks):
-            if checkpoint_every and index % checkpoint_every == 0:
+            mode = plan.modes[index]
+            if mode != "keep":
                 parent_name, _, child = name.rpartition(".")
-                setattr(self.network.get_submodule(parent_name), child, CheckpointedBlock(block, self, index))
-                checkpointed.add(index)
+                wrapped = CheckpointedBlock(block, self, index) if mode == "recompute" else HostSavedBlock(
+                    block, self.saved, index)
+                setattr(self.network.get_submodule(parent_name), child, wrapped)
             self._handles.append(block.register_forward_pre_hook(lambda _m, _a, i=index: self.before_forward(i)))
             self._handles.append(block.register_forward_hook(lambda _m, _a, out, i=index: self.after_forward(i, out)))
         for unit, parts in enumerate(self.gradients.parts):
@@ -136,7 +142,7 @@ class SlideEngine:
                     self._handles.append(place.param.register_post_accumulate_grad_hook(
                         lambda _p, u=unit, k=part: self.on_gradient(u, k)))
         self._handles.append(self.network.register_forward_pre_hook(lambda _m, _a: self.before_network()))
-        return checkpointed
+        return set(plan.blocks("recompute"))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -178,14 +184,17 @@ class SlideEngine:
         self.sent = [0] * len(self.layouts)
         self.finished = set()
         self.transfers.clock.begin()
+        self.saved.prefetch(self.num_blocks - 1)  # a last block on the host: nothing before it fetches its tensors
 
     def before_backward(self, block: int) -> None:
         self._backward_done(block + 1)  # its backward made this block's output gradient: its weights are free
+        self.saved.done(block + 1)
         self.window.ensure(block)
         self.window.check_same_slot(block)
         for behind in range(block - 1, max(-1, block - len(self.window.slots)), -1):
             self.window.prefetch(behind)
         self.activations.prefetch(block - 1)
+        self.saved.prefetch(block - 1)
 
     def on_gradient(self, unit: int, part: int) -> None:
         self.arrived[unit][part] += 1
@@ -228,6 +237,7 @@ class SlideEngine:
         if not self.gradients.parts[self.root]:  # a frozen root (LoRA): its last use is queued now
             self.window.root_used()
         self.activations.clear()
+        self.saved.clear()
         self.phase = IDLE
         self.transfers.clock.end()
 

@@ -185,16 +185,6 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
     return parts
 
 
-def offloaded_activation_bytes(layers: int, checkpoint_every: int, micro_batch: int, seq_len: int, hidden: int,
-                               compute_dtype: torch.dtype) -> int:
-    """Host bytes of one rank's checkpointed block inputs (``activation_offload: cpu``): one buffer per checkpointed
-    block (every ``checkpoint_every``-th from the first), of its input's shape (micro-batch, sequence, hidden) in the
-    compute dtype (``offload.host.HostState.activation_buffer``)."""
-    if not checkpoint_every:
-        return 0
-    return math.ceil(layers / checkpoint_every) * micro_batch * seq_len * hidden * compute_dtype.itemsize
-
-
 def with_runtime(parts: dict[str, int], processes: int) -> dict[str, int]:
     """``parts`` and the per-process runtime allowance: what the node must have available."""
     return {**parts, "runtime": processes * RUNTIME_BYTES_PER_PROCESS}

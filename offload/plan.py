@@ -9,7 +9,7 @@ the gradient ring, and the refusal of a run that does not fit the host. The stra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -27,10 +27,10 @@ from offload.host_memory import (
     gradient_slots,
     host_buffers,
     master_in_staging,
-    offloaded_activation_bytes,
     with_runtime,
 )
 from offload.layout import build_layouts, trained_layouts
+from offload.activation_plan import ActivationPlan, ActivationPlanSpec, BlockCosts, block_activation_bytes, choose
 from offload.schedule import UpdateSchedule
 
 
@@ -101,6 +101,7 @@ class SlidePlan:
     reduce_dtype: torch.dtype
     speculative_update: bool = False  # knobs, last for the callers that predate them
     master_dtype: torch.dtype = torch.float32
+    activation_plan: ActivationPlanSpec = None
 
     @cached_property
     def schedule(self) -> UpdateSchedule:
@@ -110,6 +111,18 @@ class SlidePlan:
     def check_knobs(self) -> None:
         """Refuse knobs that cannot work together on this run's devices (no model needed)."""
         run = self.run
+        if self.window < 1:
+            raise ValueError(f"SlideFSDP window={self.window}: at least 1 block must fit on the device; set window >= 1")
+        if self.gradient_slots is not None and self.gradient_slots < 1:
+            raise ValueError(f"SlideFSDP gradient_slots={self.gradient_slots} must be >= 1, or null to have it chosen")
+        spec = self.activation_plan
+        if spec is not None and spec != "auto" and not isinstance(spec, dict):
+            raise ValueError(f"SlideFSDP activation_plan={spec!r}: give block counts per mode such as "
+                             "{host: 4, recompute: 20, keep: 8}, or auto")
+        recomputes = self.activation_checkpointing if spec is None else spec == "auto" or spec.get("recompute", 0)
+        if self.activation_offload == "cpu" and not recomputes:
+            raise ValueError("activation_offload: cpu offloads the inputs of recomputed blocks; set "
+                             "activation_checkpointing >= 1 (or recompute blocks in activation_plan)")
         if self.param_transfer == "shard" and run.processes_per_node < 2:
             raise ValueError(
                 "SlideFSDP param_transfer: shard all-gathers each block across the devices of a node, but there is "
@@ -128,15 +141,30 @@ class SlidePlan:
                 "GPUs sends each rank only its 1/N; use grad_sync: gpu_reduce"
             )
 
+    def activations(self, blocks: int, costs: Callable[[], BlockCosts] | None = None) -> ActivationPlan:
+        """Each of ``blocks`` blocks' activation mode (``offload.activation_plan``): ``activation_plan``'s counts, the
+        fastest that fits for ``auto`` (``costs()`` gives what it weighs), else ``activation_checkpointing``'s."""
+        if self.activation_plan is None:
+            return ActivationPlan.every(blocks, self.activation_checkpointing)
+        if self.activation_plan == "auto":
+            if costs is None:
+                raise ValueError("SlideFSDP activation_plan: auto is chosen from the device's free memory when the "
+                                 "model is placed; this plan has no costs to choose from")
+            return choose(blocks, costs()).plan
+        return ActivationPlan.of_counts(self.activation_plan, blocks)
+
     def activation_bytes(self, units: Sequence[UnitSize], module: Any, datamodule: Any) -> int:
-        """One rank's checkpointed block inputs kept on the host (``activation_offload: cpu``) for the blocks of
-        ``units`` (blocks, then the root), micro-batches of ``datamodule``'s size (None: unknown, not counted) and
-        ``module``'s hidden size."""
-        if self.activation_offload != "cpu" or datamodule is None:
+        """One rank's activations on the host for the blocks of ``units`` (blocks, then the root): the saved tensors of
+        ``host`` blocks and, with ``activation_offload: cpu``, recomputed blocks' inputs, for micro-batches of
+        ``datamodule``'s size (None: unknown, not counted). ``auto`` keeps within what the host has left when the
+        model is placed, so nothing is counted for it here."""
+        if datamodule is None or self.activation_plan == "auto":
             return 0
-        return offloaded_activation_bytes(len(units) - 1, self.activation_checkpointing, datamodule.batch_size,
-                                          datamodule.seq_len, module.hf_config(datamodule).hidden_size,
-                                          self.compute_dtype)
+        plan = self.activations(len(units) - 1)
+        saved, block_input = saved_activation_bytes(module.hf_config(datamodule), datamodule.batch_size * datamodule.seq_len,
+                                                    self.compute_dtype)
+        inputs = plan.count("recompute") * block_input if self.activation_offload == "cpu" else 0
+        return plan.count("host") * saved + inputs
 
     def setup(self, activation_bytes: int = 0) -> HostSetup:
         """What decides the host buffers (``offload.host_memory``)."""
@@ -165,8 +193,11 @@ class SlidePlan:
         needed = sum(parts.values())
         if available is not None and needed > available:
             billions = sum(unit.full_numel for unit in units) / 1e9
-            backup = parts.get("speculation_backup", 0)
-            fix = (f"set speculative_update: false (its backup is {backup / GIB:.1f} GiB; delayed_update overlaps the "
+            backup, activations = parts.get("speculation_backup", 0), parts.get("activations", 0)
+            fix = (f"put fewer blocks on the host in activation_plan (their activations take {activations / GIB:.1f} "
+                   "GiB; recompute them instead), or use auto" if self.activation_plan not in (None, "auto")
+                   and activations else
+                   f"set speculative_update: false (its backup is {backup / GIB:.1f} GiB; delayed_update overlaps the "
                    "update without one), use a smaller model or more nodes" if backup else
                    "use a smaller model or more nodes, or drop what keeps gradients (clipping, accumulation, "
                    "on_nonfinite: skip_step)")
@@ -177,3 +208,53 @@ class SlidePlan:
         if self.param_transfer == "full" and self.run.processes_per_node > 1:  # the node's staging copy: /dev/shm
             check_shared_memory(parts["staging"])
         return parts
+
+
+def saved_activation_bytes(config: Any, tokens: int, compute_dtype: torch.dtype) -> tuple[int, int]:
+    """(a block's saved activations, its input) in bytes for ``tokens`` tokens of the Hugging Face ``config``."""
+    from lit_fsdp.flops import matmul_shape
+
+    hidden = config.hidden_size
+    gated = config.model_type != "gpt2"  # the Llama-like families' MLPs are gated
+    return block_activation_bytes(hidden, matmul_shape(config).last_weights // hidden, gated, tokens,
+                                  compute_dtype.itemsize)
+
+
+#: Of the device memory free once the window and the root are placed, the share activations may take: the rest is
+#: the allocator's slack and the transient buffers of the step (gradients before their copy, collectives)
+DEVICE_SHARE = 0.85
+#: The share of the device's dense peak a block's matmuls reach (the H100 records: 45-55%, docs/gpu.md)
+COMPUTE_EFFICIENCY = 0.5
+
+
+def placed_costs(module: Any, plan: SlidePlan, window: Any, units: Sequence[UnitSize],
+                 host_memory_gb: float | None) -> BlockCosts:
+    """``activation_plan: auto``'s costs, once the window and the root are on the device: its free memory less the
+    loss's, the host's less SlideFSDP's buffers, the link's rate timed on a block's weights, a block's forward from its
+    FLOPs at ``COMPUTE_EFFICIENCY`` of the device's peak (on a CPU: nominal rates, for tests)."""
+    from lit_fsdp.device_peaks import peak_tflops
+    from lit_fsdp.flops import flops_per_token
+    from lit_fsdp.loss import loss_bytes
+    from offload.host_memory import with_runtime
+    from offload.preflight import available_host_bytes, host_memory_budget
+
+    data = module.trainer.datamodule
+    config = module.hf_config(data)
+    tokens, itemsize = data.batch_size * data.seq_len, plan.compute_dtype.itemsize
+    saved, block_input = saved_activation_bytes(config, tokens, plan.compute_dtype)
+    blocks = len(units) - 1
+    forward_flops = tokens * flops_per_token(config, data.seq_len) / 3 / blocks
+    device = window.device
+    loss = loss_bytes(tokens, config.vocab_size, config.hidden_size, itemsize,
+                      (getattr(module, "hparams", None) or {}).get("loss_chunk_tokens", 0))
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        rate = window.transfers.measure_h2d(window.slots[0].buffer, window.host.staging[0])
+        peak = (peak_tflops(torch.cuda.get_device_name(device), plan.compute_dtype) or 100.0) * 1e12
+    else:
+        free, rate, peak = (available_host_bytes() or 0) // 4, 10e9, 2e11
+    host, _ = host_memory_budget(host_memory_gb)
+    # MemAvailable now already lacks the buffers placed so far: counting them again errs on the safe side
+    host_left = (host or 0) - sum(with_runtime(plan.host_buffers(units), plan.run.processes_per_node).values())
+    return BlockCosts(saved, block_input, units[0].full_numel * itemsize, forward_flops / (peak * COMPUTE_EFFICIENCY),
+                      int(free * DEVICE_SHARE) - loss, max(0, host_left), rate, plan.activation_offload == "cpu")

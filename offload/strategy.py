@@ -32,6 +32,7 @@ from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import OnNonFinite
 from lit_fsdp.lifecycle import CausalLMStrategy, DType
 from offload import adamw_kernel
+from offload.activation_plan import ActivationPlanSpec
 from offload.compile import compile_forwards
 from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, OffloadStep, SlideEngine
@@ -39,7 +40,7 @@ from offload.gradients import GradientPipeline
 from offload.host import HostState, SharedStaging, can_pin, node_tag
 from offload.host_memory import UnitSize
 from offload.layout import build_layouts, trained_layouts
-from offload.plan import SlidePlan, SlideRun, model_units, sizes_of
+from offload.plan import SlidePlan, SlideRun, model_units, placed_costs, sizes_of
 from offload.preflight import UpdateThreads, host_memory_budget
 from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
@@ -52,6 +53,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
     """Layer-streaming CPU offload (SlideFSDP): master weights and AdamW on the host, a window of blocks on the device."""
 
     strategy_name = "slide_fsdp"
+    recomputes_whole_block = True  # offload.checkpointing runs a recomputed block's whole forward again
 
     def __init__(
         self,
@@ -62,6 +64,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         param_dtype: DType = "auto",
         reduce_dtype: DType = "auto",
         activation_checkpointing: int = 0,
+        activation_plan: ActivationPlanSpec = None,
         compile_blocks: bool = False,
         cpu_threads: int | None = None,
         cpu_binding: Literal["numa", "none"] = "numa",
@@ -95,6 +98,10 @@ class SlideFSDPStrategy(CausalLMStrategy):
             reduce_dtype: Dtype the gradients are reduced and copied to the host in; ``auto`` (default) follows
                 ``param_dtype``: bfloat16 on GPUs halves the device-to-host bytes, and the CPU update reads it as it is.
             activation_checkpointing: Recompute the activations of every k-th block in backward; 0 turns it off.
+            activation_plan: Instead, the blocks whose activations stay on the device, wait in pinned host memory or
+                are recomputed, in block order: counts such as ``{host: 4, recompute: 20, keep: 8}``, or ``auto`` (the
+                fastest mix that fits the device's free memory and the host's, at the link's rate; chosen when the
+                model is placed). ``offload.activation_plan``.
             compile_blocks: ``torch.compile`` each block's forward (the engine's hooks stay eager; ``offload.compile``).
             cpu_threads: Threads of this rank's CPU work (the AdamW updates); default: the cores this process may run
                 on (affinity, cgroup CPU quota) / processes per node, less one left to the thread that launches kernels
@@ -139,14 +146,6 @@ class SlideFSDPStrategy(CausalLMStrategy):
         """
         super().__init__(block_class, param_dtype, reduce_dtype, activation_checkpointing, on_nonfinite, True,
                          process_group_backend, timeout)
-        if window < 1:
-            raise ValueError(f"SlideFSDP window={window}: at least 1 block must fit on the device; set window >= 1")
-        if gradient_slots is not None and gradient_slots < 1:
-            raise ValueError(f"SlideFSDP gradient_slots={gradient_slots} must be >= 1, or null to have it chosen")
-        if activation_offload == "cpu" and not activation_checkpointing:
-            raise ValueError(
-                "activation_offload: cpu offloads the inputs of checkpointed blocks; set activation_checkpointing >= 1"
-            )
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for usable cores / processes per node, less one")
         if host_memory_gb is not None and not host_memory_gb > 0:
@@ -155,6 +154,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             if value not in get_args(OptimizerStateDType):
                 raise ValueError(f"SlideFSDP {knob}={value!r}: set it to float32 or bfloat16")
         self.window, self.param_transfer, self.grad_sync = window, param_transfer, grad_sync
+        self.activation_plan = activation_plan
         self.activation_offload, self.compile_blocks, self.cpu_threads = activation_offload, compile_blocks, cpu_threads
         if cpu_binding not in ("numa", "none"):
             raise ValueError(f"SlideFSDP cpu_binding={cpu_binding!r}: set it to numa or none")
@@ -197,6 +197,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             run=SlideRun.of_trainer(trainer, self.root_device.type), compute_dtype=compute,
             reduce_dtype=self.resolve_dtype(self.reduce_dtype, fallback=compute),
             speculative_update=self.speculative_update, master_dtype=getattr(torch, self.master_dtype),
+            activation_plan=self.activation_plan,
         )
 
     def model_units(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
@@ -307,14 +308,17 @@ class SlideFSDPStrategy(CausalLMStrategy):
             replicate_group=self.device_mesh["replicate"].get_group() if self.num_nodes > 1 else None,
             host_group=self.host_group, schedule=plan.schedule,
         )
+        activations = plan.activations(len(blocks), lambda: placed_costs(module, plan, window, sizes, self.host_memory_gb))
+        self.recomputed_blocks = tuple(activations.blocks("recompute"))
         self.engine = SlideEngine(
-            network, blocks, layouts, window, gradients, transfers, self.activation_checkpointing,
-            self.activation_offload == "cpu", pin, plan.schedule,
+            network, blocks, layouts, window, gradients, transfers, activations, self.activation_offload == "cpu", pin,
+            plan.schedule,
         )
         if self.compile_blocks:
             compile_forwards(blocks, device)
         rank_zero_info(f"SlideFSDP: {self.host.describe(compute, shards, pin)}; device window {self.window} blocks; "
-                       f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}")
+                       f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}; activations: "
+                       f"{activations.describe()}")
 
     def offload_report(self) -> SlideFSDPStrategy | None:
         """This strategy: it gives what ``lit_fsdp.reporting.OffloadReport`` declares, once its engine is built."""

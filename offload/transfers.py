@@ -212,6 +212,20 @@ class Transfers:
         """Copy ``src`` (host) into ``dst`` (device) on the current stream; call inside ``on_h2d_stream``."""
         self._copy("h2d", dst, src)
 
+    def measure_h2d(self, dst: torch.Tensor, src: torch.Tensor, repeats: int = 3) -> float:
+        """Bytes per second of copying ``src`` (pinned host) into ``dst`` (device), timed on the H2D stream, not counted
+        in the step's totals (``activation_plan: auto`` weighs the link with it)."""
+        numel = min(dst.numel(), src.numel())
+        with torch.cuda.stream(self.h2d_stream):
+            dst[:numel].copy_(src[:numel], non_blocking=True)  # the first copy pays for setting up the mapping
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(repeats):
+                dst[:numel].copy_(src[:numel], non_blocking=True)
+            end.record()
+        end.synchronize()
+        return repeats * numel * src.element_size() / (begin.elapsed_time(end) / 1e3)
+
     def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         """Copy ``src`` (device, just computed) into ``dst`` (pinned host) on the D2H stream; returns its event."""
         if self.emulated is not None:

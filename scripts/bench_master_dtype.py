@@ -1,8 +1,9 @@
 """How well does a bfloat16 master train against a float32 one? WikiText-2 loss on the CPU, paired seeds.
 
 Each seed trains gpt2-tiny on WikiText-2 at the quickstart's shape (``bench_delayed_update``'s ``--wikitext`` run:
-clipping 1.0, the quickstart's learning-rate schedule) under SlideFSDP with bfloat16 compute three times, the same
-data in the same order: a float32 master (``master_dtype: float32``, what the 8B ships), a bfloat16 master rounded
+clipping 1.0, the quickstart's learning-rate schedule) under SlideFSDP three times, the same data in the same order,
+the compute in float32 so that the arms differ in the master's precision alone (bfloat16 matmuls on a CPU without
+them are emulated, 20x slower): a float32 master (``master_dtype: float32``, what the 8B ships), a bfloat16 master rounded
 stochastically by the update (``master_dtype: bfloat16``), and a bfloat16 master rounded to nearest (the control:
 what stochastic rounding buys). A JSON line per run goes to ``--out`` as it ends; ``--table`` prints each arm's mean
 and spread over seeds and the paired differences against the float32 master.
@@ -33,7 +34,7 @@ ARMS = {
     "bfloat16 master, stochastic rounding": ({"master_dtype": "bfloat16"}, {}),
     "bfloat16 master, rounded to nearest": ({"master_dtype": "bfloat16"}, {ROUNDING_VARIABLE: "nearest"}),
 }
-COMMON = {"param_dtype": "bfloat16", "delayed_update": "false"}
+COMMON = {"param_dtype": "float32", "delayed_update": "false"}
 
 
 def main() -> None:

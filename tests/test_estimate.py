@@ -24,7 +24,7 @@ H100 = REPO / "configs" / "hardware" / "h100_128g.json"
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 #: accelerator: gpu
 ON_GPU = {"gpt2_124m.yaml", "llama_1b.yaml", "llama_1b_low_memory.yaml", "llama_8b_offload.yaml", "qwen_14b_full.yaml",
-          "qwen_32b_lora.yaml"}
+          "qwen_32b_lora.yaml", "llama_8b_offload_8k.yaml"}
 
 
 def pretrained_folder(folder: Path) -> Path:
@@ -49,6 +49,8 @@ def test_every_shipped_config_is_estimated_on_the_hardware_it_is_for(tmp_path):
         if config.name == "multinode_hybrid.yaml":  # an overlay on gpt2_124m.yaml for 2 nodes x 8 GPUs
             configs[2:2] = ["--config", str(REPO / "configs" / "gpt2_124m.yaml")]
             machine = cluster
+        if config.name == "llama_8b_offload_8k.yaml":  # an overlay on llama_8b_offload.yaml
+            configs[2:2] = ["--config", str(EIGHT_B)]
         if "pretrained_path" in config.read_text():
             configs += ["--model.pretrained_path", str(base)]
         figures = estimate_step(*parse(configs, machine), machine)

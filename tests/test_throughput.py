@@ -100,7 +100,7 @@ def test_float32_peak_follows_the_matmul_precision():
 def timed(callback: Throughput, config, world_size: int = 2, checkpoint_every: int = 0) -> dict:
     """The summary of 2 one-second steps of 4 sequences x 128 tokens on each of ``world_size`` ranks."""
     callback.model_config, callback.seq_len, callback.world_size = config, 128, world_size
-    callback.checkpoint_every = checkpoint_every
+    callback.recompute_flops = lambda config, seq_len: recompute_flops_per_token(config, seq_len, checkpoint_every)
     callback.step_seconds = [1.0, 1.0]
     callback.tokens_per_step, callback.samples_per_step = 4 * 128 * world_size, 4 * world_size
     return callback.summary()
@@ -114,6 +114,25 @@ def test_mfu_is_model_flops_per_device_over_the_given_peak():
     assert summary["hfu"] == summary["mfu"]  # nothing recomputed
     checkpointed = timed(Throughput(warmup_steps=0, peak_tflops=0.1), CONFIGS["gpt2-tiny"], checkpoint_every=1)
     assert checkpointed["mfu"] == summary["mfu"] < checkpointed["hfu"]
+
+
+def test_hfu_counts_the_recompute_the_strategy_reports_slide_fsdps_whole_blocks_of_its_plan():
+    """A strategy that lists its recomputed blocks (SlideFSDP's activation plan) and runs their whole forward again:
+    HFU adds those blocks' forward, the last matmul included; torch's checkpointing of the same blocks stops before it."""
+    from lit_fsdp.reporting import StrategyReport
+
+    class Planned(StrategyReport):
+        label, recomputed_blocks, recomputes_whole_block = "slide_fsdp", (0,), True
+
+        def compute_dtype(self):
+            return torch.float32
+
+    config = CONFIGS["gpt2-tiny"]
+    shape = matmul_shape(config)
+    whole = Planned().recompute_flops(config, 128)
+    assert whole == 2 * shape.block_weights + 4 * shape.attention_width * 128  # block 0's forward, once per token
+    assert whole - recompute_flops_per_token(config, 128, [0]) == 2 * shape.last_weights
+    assert recompute_flops_per_token(config, 128, [0, 1]) == recompute_flops_per_token(config, 128, 1)
 
 
 def test_a_lora_run_counts_no_weight_gradients_for_its_frozen_base():

@@ -33,7 +33,9 @@ import torch
 
 from lit_fsdp.checkpoints import checkpoint_size
 from lit_fsdp.commands.cli import LitFsdpCLI, run as parse_fit
+from lit_fsdp.commands.activation_estimate import planned_activations
 from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
+from offload.activation_plan import describe as describe_plan
 from lit_fsdp.lora import adapter_parameters, trained_matrices
 from lit_fsdp.commands.help import plain
 from lit_fsdp.device_peaks import device_peaks, matmul_format
@@ -244,11 +246,22 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
               "weights_and_gradients_in_flight": memory.working_set, "activations": memory.activations,
               "loss": memory.logits}
     tokens = trainer.accumulate_grad_batches * data.batch_size * data.seq_len  # per process per optimizer step
+    recompute, activation_plan = candidate.activation_checkpointing, None
     if candidate.strategy == "slide_fsdp":
         units = strategy.model_units(module, data, trainer.num_devices)
         host = strategy.host_buffer_estimate(trainer, module, data, compute=compute, units=units)
         traffic = slide_traffic(trainer, units, data.batch_size, data.seq_len, config.hidden_size, compute, reduce)
         update_bytes = cpu_update_bytes(trainer, model.trained, compute, reduce, units)
+        planned = planned_activations(strategy, trainer, data, config, units, compute, trainer.hardware,
+                                      sum(device.values()) - device["activations"],
+                                      sum(with_runtime(host, processes).values()))
+        activation_plan, recompute = planned.plan, planned.plan.blocks("recompute")
+        if strategy.activation_plan is not None:  # else the every-k-th count above, LoRA's extra tensors included
+            device["activations"] = planned.device_bytes
+        if strategy.activation_plan == "auto":  # chosen here: the preflight could not count it
+            host["activations"] = host.get("activations", 0) + planned.host_bytes
+        moved = trainer.accumulate_grad_batches * activation_plan.count("host") * planned.saved_bytes
+        traffic["h2d"], traffic["d2h"] = traffic["h2d"] + moved, traffic["d2h"] + moved
     else:
         host = {"model_states": memory.host_per_node} if candidate.cpu_offload else {}
         traffic = fsdp2_traffic(trainer, candidate, model.parameters, model.trained, compute, reduce)
@@ -265,7 +278,8 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     host = with_runtime(host, processes)
     model_flops = tokens * flops_per_token(config, data.seq_len, adapter_parameters(config, lora) if lora else None,
                                            trained_matrices(config, lora))
-    flops = model_flops + tokens * recompute_flops_per_token(config, data.seq_len, candidate.activation_checkpointing)
+    flops = model_flops + tokens * recompute_flops_per_token(config, data.seq_len, recompute,
+                                                             whole_block=activation_plan is not None)
     peak = hardware.peak_for(compute)
     network = {name: traffic[name] for name in ("all_gather", "reduce_scatter", "all_reduce")}
     # a shard group inside one node gathers and reduce-scatters over its fast links; replicas on several nodes
@@ -317,6 +331,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         "cpu_update_bytes": update_bytes, "model_flops": model_flops, "flops": flops, "times": times,
         "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu, "mfu_peak_tflops": mfu_peak,
         "compute_efficiency": hardware.compute_efficiency, "step_model": step_model,
+        "activation_plan": None if activation_plan is None else activation_plan.counts(),
         "checkpoint_bytes": checkpoint.total(weights_only=False), "checkpoint_counted": checkpoint.counted,
     }
 
@@ -364,6 +379,8 @@ def report(figures: dict[str, Any]) -> str:
     if figures["cpu_update_bytes"]:
         lines.append(f"CPU update per node per step: {figures['cpu_update_bytes'] / 1e9:.1f} GB "
                      f"({figures['cpu_update_bytes'] / trained:.0f} B per trained parameter)")
+    if figures["activation_plan"]:
+        lines.append(f"activations: {describe_plan(figures['activation_plan'])} (activation_plan)")
     lines.append(f"compute per process per step: {figures['flops'] / 1e12:.1f} TFLOP "
                  f"({figures['model_flops'] / 1e12:.1f} without recompute)")
     times = ", ".join(f"{name.removesuffix('_s')} {value:.3f} s" for name, value in figures["times"].items()

@@ -64,6 +64,7 @@ from lit_fsdp.lifecycle import resolve_dtype
 from lit_fsdp.strategy import model_state_bytes
 from lit_fsdp.commands.tune.hardware import Hardware
 from lit_fsdp.commands.tune.space import Candidate, RunShape
+from offload.activation_plan import block_activation_bytes
 from offload.host_memory import UnitSize
 from offload.plan import SlidePlan, SlideRun
 
@@ -175,9 +176,8 @@ def compute_dtype(candidate: Candidate, accelerator: str) -> torch.dtype:
 def activation_bytes(candidate: Candidate, model: ModelShape, run: RunShape, p: int) -> tuple[int, int]:
     """(bytes kept on the device, checkpointed inputs moved to the host by this process)."""
     tokens = candidate.micro_batch * run.seq_len
-    per_block = tokens * (8 * model.hidden + (4 if model.gated_mlp else 2) * model.intermediate) * p
+    per_block, block_input = block_activation_bytes(model.hidden, model.intermediate, model.gated_mlp, tokens, p)
     per_block += tokens * (model.adapter_ranks * p + model.adapter_dropped * (p + 1))  # LoRA; a dropout mask: 1 byte
-    block_input = tokens * model.hidden * p
     every = candidate.activation_checkpointing
     checkpointed = math.ceil(model.layers / every) if every else 0
     kept_inputs = checkpointed * block_input

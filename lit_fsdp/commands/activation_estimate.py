@@ -1,0 +1,38 @@
+"""``estimate``'s view of SlideFSDP's activation plan (``offload.activation_plan``): the plan a run would take on the
+hardware file's machine, and what it holds and moves.
+
+``auto`` is chosen there from the hardware file's figures in place of the ones the run measures when it places the
+model (``offload.plan.placed_costs``): the device's memory less the rest of estimate's device figures, the host's less
+SlideFSDP's buffers, ``pcie_gbps`` and a block's forward at the hardware file's ``compute_efficiency`` of its peak.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lit_fsdp.flops import flops_per_token
+from offload.activation_plan import ActivationPlan, BlockCosts, PlanCost, cost
+from offload.host_memory import GIB, UnitSize
+from offload.plan import COMPUTE_EFFICIENCY, DEVICE_SHARE, saved_activation_bytes
+
+#: The link's rate where the hardware file does not give pcie_gbps (PCIe 4.0 x16, pinned)
+DEFAULT_LINK_GBPS = 25.0
+
+
+def planned_activations(strategy: Any, trainer: Any, data: Any, config: Any, units: list[UnitSize],
+                        compute: torch.dtype, hardware: Any, device_others: int, host_others: int) -> PlanCost:
+    """The plan ``strategy`` takes for ``units`` on ``hardware`` and its cost; ``device_others`` and ``host_others``:
+    the device's and the host's other bytes (estimate's figures without the activations)."""
+    tokens, blocks = data.batch_size * data.seq_len, len(units) - 1
+    saved, block_input = saved_activation_bytes(config, tokens, compute)
+    peak = (hardware.peak_for(compute) or 100.0) * 1e12 * (hardware.compute_efficiency or COMPUTE_EFFICIENCY)
+    device_memory = hardware.memory_per_process_gb(trainer.num_devices) * GIB
+    costs = BlockCosts(
+        saved, block_input, units[0].full_numel * compute.itemsize,
+        tokens * flops_per_token(config, data.seq_len) / 3 / blocks / peak,
+        int(device_memory * DEVICE_SHARE) - device_others, max(0, int(hardware.host_memory_gb * GIB) - host_others),
+        (hardware.pcie_gbps or DEFAULT_LINK_GBPS) * 1e9, strategy.activation_offload == "cpu")
+    plan: ActivationPlan = strategy.plan(trainer, compute).activations(blocks, lambda: costs)
+    return cost(plan, costs)
