@@ -16,6 +16,7 @@ from torchmetrics.aggregation import MeanMetric
 import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from lit_fsdp import float8 as float8_compute
 from lit_fsdp import lora as lora_adapters
 from lit_fsdp.hub import model_folder
 from lit_fsdp.data.tokenizer import tokenizer_files
@@ -49,6 +50,7 @@ class CausalLM(pl.LightningModule):
         schedule_steps: int | None = None,
         loss_chunk_tokens: int = 1024,
         lora: LoraConfig | None = None,
+        float8: float8_compute.Float8 = "off",
     ):
         """
         Args:
@@ -70,6 +72,12 @@ class CausalLM(pl.LightningModule):
             lora: Train low-rank adapters on the frozen model instead of the model, e.g. ``{rank: 16, alpha: 32}``,
                 and chosen modules whole beside them (``train: [embeddings, norms]``) (``lit_fsdp.lora.LoraConfig``);
                 checkpoints then hold only what trains.
+            float8: Matmuls of the transformer blocks' nn.Linear layers in float8 through torchao's float8 training
+                (torchtitan's recipes): ``tensorwise`` (one scale per tensor) or ``rowwise`` (one per row); the LM
+                head, the embeddings and layers with dims not multiples of 16 stay in param_dtype, and so do LoRA's
+                adapters. Needs torchao (``pip install -e ".[float8]"``), Llama-like blocks (GPT-2's Conv1D layers
+                do not convert) and a GPU of compute capability 8.9+ (H100, H200); on CPU torchao emulates it, for
+                tests: same rounding, no speed-up (``lit_fsdp.float8``).
         """
         super().__init__()
         self._lora = lora_adapters.as_config(lora)
@@ -96,6 +104,9 @@ class CausalLM(pl.LightningModule):
         if self._lora is not None:  # an unknown target or trained module fails here, before any process starts
             with torch.device("meta"):
                 lora_adapters.attach(AutoModelForCausalLM.from_config(self.hf_config()), self._lora)
+        if float8 != "off":  # an unknown recipe, torchao missing or nothing to convert fails here too
+            with torch.device("meta"):
+                float8_compute.check(float8, AutoModelForCausalLM.from_config(self.hf_config()))
         self.model: torch.nn.Module | None = None
         self.val_loss = MeanMetric()
         self._init_seed = 0
@@ -135,6 +146,10 @@ class CausalLM(pl.LightningModule):
         self.model.config.use_cache = False
         if self.hparams.loss_chunk_tokens:
             LossHead.convert(self.model.get_output_embeddings(), self.hparams.loss_chunk_tokens)
+        if self.hparams.float8 != "off":  # before LoRA: torchao's swap would drop the adapters' hooks and parameters
+            strategy = self._trainer.strategy if self._trainer is not None else None
+            float8_compute.convert(self.model, self.hparams.float8, getattr(strategy, "root_device", self.device),
+                                   getattr(strategy, "block_class", None))
         if self._lora is not None:
             lora_adapters.attach(self.model, self._lora)
         self._init_seed = torch.initial_seed()
