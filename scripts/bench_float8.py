@@ -20,13 +20,13 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import paired_runs  # noqa: E402
 from tests.helpers import read_metrics  # noqa: E402  (the CSV reader the tests use)
 
 REFERENCE = "unconverted"
@@ -79,27 +79,12 @@ def table(rows: list[dict], tail: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (configs/wikipedia.yaml's: 1e-3)")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    paired_runs.arguments(parser, [1], 300, 1e-3, "configs/wikipedia.yaml", list(ARMS), ROOT / "runs" / "bench_float8.jsonl")
     parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the strategy's param_dtype in every arm (bfloat16: on hardware with bf16 matmuls)")
-    parser.add_argument("--tail", type=int, default=50, help="steps the final train loss is averaged over")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_float8.jsonl")
-    parser.add_argument("--table", action="store_true", help="print the table from --out and stop")
     args = parser.parse_args()
-    if not args.table:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as work:
-            for seed in args.seeds:
-                for index, arm in enumerate(args.arms):
-                    row = run(seed, arm, args.steps, Path(work) / f"{index}-{seed}", args.lr, args.param_dtype)
-                    with args.out.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    print(f"seed {seed} {arm}: last {args.tail} steps {statistics.fmean(row['train_loss'][-args.tail:]):.4f} "
-                          f"({row['seconds']:.0f} s)", flush=True)
-    rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
+    rows = paired_runs.run_all(args, lambda seed, arm, folder: run(seed, arm, args.steps, folder, args.lr,
+                                                                   args.param_dtype))
     print(table(rows, args.tail))
 
 

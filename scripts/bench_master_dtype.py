@@ -15,15 +15,13 @@ and spread over seeds and the paired differences against the float32 master.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import paired_runs  # noqa: E402
 from bench_delayed_update import run, table  # noqa: E402  (the WikiText-2 fit and the paired table)
 from offload.rounding import ROUNDING_VARIABLE  # noqa: E402
 
@@ -39,28 +37,15 @@ COMMON = {"param_dtype": "float32", "delayed_update": "false"}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (the quickstart's: 3e-3)")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
-    parser.add_argument("--tail", type=int, default=50, help="steps the final train loss is averaged over")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_master_dtype.jsonl")
-    parser.add_argument("--table", action="store_true", help="print the table from --out and stop")
+    paired_runs.arguments(parser, [1, 2, 3], 1000, 3e-3, "the quickstart", list(ARMS),
+                          ROOT / "runs" / "bench_master_dtype.jsonl")
     args = parser.parse_args()
-    if not args.table:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as work:
-            for seed in args.seeds:
-                for arm in args.arms:
-                    knobs, environment = ARMS[arm]
-                    row = run(seed, arm, args.steps, 1, Path(work) / f"{len(arm)}-{seed}", args.lr, True,
-                              {**COMMON, **knobs}, environment)
-                    with args.out.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    print(f"seed {seed} {arm}: last {args.tail} steps {statistics.fmean(row['train_loss'][-args.tail:]):.4f}, "
-                          f"validation {row['val_loss'][-1] if row['val_loss'] else float('nan'):.4f}", flush=True)
-    rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
-    print(table(rows, args.tail, REFERENCE))
+
+    def run_arm(seed: int, arm: str, folder: Path) -> dict:
+        knobs, environment = ARMS[arm]
+        return run(seed, arm, args.steps, 1, folder, args.lr, True, {**COMMON, **knobs}, environment)
+
+    print(table(paired_runs.run_all(args, run_arm), args.tail, REFERENCE))
 
 
 if __name__ == "__main__":

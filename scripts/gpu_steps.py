@@ -22,6 +22,7 @@ StepFunction = Callable[[Record, str, Path], None]
 QUICKSTART = "configs/quickstart.yaml"
 ONE_B = (QUICKSTART, "configs/llama_1b.yaml")
 EIGHT_B = (QUICKSTART, "configs/llama_8b_offload.yaml")
+EIGHT_B_8K = (*EIGHT_B, "configs/llama_8b_offload_8k.yaml")
 QWEN_32B_LORA = (QUICKSTART, "configs/qwen_32b_lora.yaml")
 QWEN_14B_FULL = (QUICKSTART, "configs/qwen_14b_full.yaml")
 
@@ -186,6 +187,8 @@ SYNCHRONOUS = {"trainer": {"strategy": {"init_args": {"delayed_update": False}}}
 #: otherwise measure only the warm-up's steps).
 PAST_WARMUP = {"trainer": {"strategy": {"init_args": {"delayed_update_warmup": 0}}}}
 SPECULATIVE = {"trainer": {"strategy": {"init_args": {"delayed_update": False, "speculative_update": True}}}}
+#: The activation plan chosen on the machine (offload/activation_plan.py) instead of every block recomputed.
+AUTO_PLAN = {"trainer": {"strategy": {"init_args": {"activation_plan": "auto"}}}}
 
 
 def fsdp2_1b(**settings: Any) -> Fit:
@@ -334,6 +337,42 @@ def sft(record: Record, device: str, work: Path) -> None:
             raise RuntimeError(f"{config}: the loss did not fall ({losses[0]:.4f} to {losses[-1]:.4f})")
 
 
+#: The peers step's seconds on a GPU, within its deadline and the default --budget (PLAN_BUDGET): its calls end inside
+#: them, so no run the bench started outlives a kill of the step (torchrun's ranks run in sessions of their own).
+PEERS_SECONDS = 460
+
+
+def peers(record: Record, device: str, work: Path) -> None:
+    """scripts/bench_peers.py, a call per peer and the record's rows grown as each ends: on a GPU, the 8B's refusals
+    (each offloading peer's host state against --host-memory-gb), then every peer on 8 of its 32 blocks at 32 x 2048
+    tokens, SlideFSDP first, 2 steps measured, each call's deadline within PEERS_SECONDS; on the CPU, FSDP2's
+    CPUOffloadPolicy alone: the step's code path (tests/test_bench_peers.py runs every peer's where deepspeed is
+    installed)."""
+    import json
+    import time
+
+    from peers_table import PEERS, table
+
+    warmup, out, end = warmup_steps(), work / "peers.jsonl", time.monotonic() + PEERS_SECONDS
+    out.unlink(missing_ok=True)
+    common = [sys.executable, "scripts/bench_peers.py", "--device", device, "--out", str(out), "--work",
+              str(work / "peers"), "--warmup", str(warmup), "--steps", str(warmup + (2 if device == "cuda" else 1))]
+    calls = [("2", ["fsdp2_cpu_offload"])]
+    if device == "cuda":
+        common += ["--host-memory-gb", os.environ[HOST_MEMORY_VARIABLE]]
+        calls = [("32", [name for name, peer in PEERS.items() if peer.host_bytes_per_param]),
+                 *[("8", [name]) for name in sorted(PEERS, key=lambda name: name != "slide_fsdp")]]
+    for layers, names in calls:
+        left = end - time.monotonic() - 15  # the bench's start and its kill of a run past its deadline
+        if left < 30:
+            record.put(no_time=[*record.get("no_time", []), *names])
+            continue
+        timeout = ["--timeout", str(round(min(left, 200)))] if device == "cuda" else []
+        command(f"peers_{layers}_{names[0]}", [*common, *timeout, "--layers", layers, "--peers", *names], work, record)
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        record.put(rows=rows, table=table(rows).splitlines())
+
+
 # --- the table ---------------------------------------------------------------------------------------------------
 
 #: Every step, in the order ``--steps`` lists them; the default plan's come first.
@@ -392,6 +431,17 @@ STEPS: dict[str, Step] = {step.name: step for step in (
                  "peak, the loss falling"),
     Step("eight_b_lora", eight_b(lambda device: merge(eight_b_before(device), LORA)), 230, requires="slide_fsdp",
          records="LoRA rank 16 on the 8B with the control's settings: host and device peaks against estimate's"),
+    Step("peers", peers, 480,
+         records="scripts/bench_peers.py: the 8B's refusals, then 8 of its 32 blocks under DeepSpeed ZeRO-3 and ZeRO-2 "
+                 "with CPU offload, FSDP2's CPUOffloadPolicy, Lightning's FSDP with cpu_offload and SlideFSDP: "
+                 "tokens/s, MFU, peaks, every step's time"),
+    Step("eight_b_auto", eight_b(lambda device: merge(merge(as_shipped(device), PAST_WARMUP), AUTO_PLAN)), 320,
+         requires="slide_fsdp",
+         records="the shipped 8B past its warm-up with activation_plan: auto: eight_b's figures and the plan taken"),
+    Step("eight_b_8k", Fit(EIGHT_B_8K, lambda device: merge(as_shipped(device), PAST_WARMUP), steps=10, cpu_steps=3,
+                           offload=True), 360, requires="slide_fsdp",
+         records="configs/llama_8b_offload_8k.yaml (8 x 8192 tokens, activation_plan: auto) past its warm-up: "
+                 "eight_b's figures at ml_dataflow's sequence length"),
     Step("qwen_32b_lora", Fit(QWEN_32B_LORA, as_shipped, steps=8, cpu_steps=3, offload=True), 480,
          records="configs/qwen_32b_lora.yaml as shipped (its base built on the host with random weights, nothing "
                  "downloaded): tokens/s, MFU (4N for the frozen base), device peak, the lowest MemAvailable"),
