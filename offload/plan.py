@@ -227,25 +227,34 @@ DEVICE_SHARE = 0.85
 COMPUTE_EFFICIENCY = 0.5
 
 
+def block_costs(plan: SlidePlan, config: Any, data: Any, units: Sequence[UnitSize], flops_per_s: float,
+                device_free: int, host_free: int, link_bytes_per_s: float) -> BlockCosts:
+    """What ``auto`` weighs for ``data``'s micro-batches of ``config``'s model: a block's saved activations, input and
+    weights, its forward at ``flops_per_s``, and the memory and the link rate given (``placed_costs`` measures them,
+    ``estimate`` takes them from the hardware file)."""
+    from lit_fsdp.flops import flops_per_token
+
+    tokens = data.batch_size * data.seq_len
+    saved, block_input = saved_activation_bytes(config, tokens, plan.compute_dtype)
+    forward_flops = tokens * flops_per_token(config, data.seq_len) / 3 / (len(units) - 1)
+    return BlockCosts(saved, block_input, units[0].full_numel * plan.compute_dtype.itemsize, forward_flops / flops_per_s,
+                      device_free, max(0, host_free), link_bytes_per_s, plan.activation_offload == "cpu")
+
+
 def placed_costs(module: Any, plan: SlidePlan, window: Any, units: Sequence[UnitSize],
                  host_memory_gb: float | None) -> BlockCosts:
     """``activation_plan: auto``'s costs, once the window and the root are on the device: its free memory less the
     loss's, the host's less SlideFSDP's buffers, the link's rate timed on a block's weights, a block's forward from its
     FLOPs at ``COMPUTE_EFFICIENCY`` of the device's peak (on a CPU: nominal rates, for tests)."""
     from lit_fsdp.device_peaks import peak_tflops
-    from lit_fsdp.flops import flops_per_token
     from lit_fsdp.loss import loss_bytes
     from offload.host_memory import with_runtime
     from offload.preflight import available_host_bytes, host_memory_budget
 
     data = module.trainer.datamodule
     config = module.hf_config(data)
-    tokens, itemsize = data.batch_size * data.seq_len, plan.compute_dtype.itemsize
-    saved, block_input = saved_activation_bytes(config, tokens, plan.compute_dtype)
-    blocks = len(units) - 1
-    forward_flops = tokens * flops_per_token(config, data.seq_len) / 3 / blocks
     device = window.device
-    loss = loss_bytes(tokens, config.vocab_size, config.hidden_size, itemsize,
+    loss = loss_bytes(data.batch_size * data.seq_len, config.vocab_size, config.hidden_size, plan.compute_dtype.itemsize,
                       (getattr(module, "hparams", None) or {}).get("loss_chunk_tokens", 0))
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
@@ -256,5 +265,5 @@ def placed_costs(module: Any, plan: SlidePlan, window: Any, units: Sequence[Unit
     host, _ = host_memory_budget(host_memory_gb)
     # MemAvailable now already lacks the buffers placed so far: counting them again errs on the safe side
     host_left = (host or 0) - sum(with_runtime(plan.host_buffers(units), plan.run.processes_per_node).values())
-    return BlockCosts(saved, block_input, units[0].full_numel * itemsize, forward_flops / (peak * COMPUTE_EFFICIENCY),
-                      int(free * DEVICE_SHARE) - loss, max(0, host_left), rate, plan.activation_offload == "cpu")
+    return block_costs(plan, config, data, units, peak * COMPUTE_EFFICIENCY, int(free * DEVICE_SHARE) - loss, host_left,
+                       rate)

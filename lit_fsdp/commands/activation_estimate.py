@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 
-from lit_fsdp.flops import flops_per_token
-from offload.activation_plan import ActivationPlan, BlockCosts, PlanCost, cost
+from offload.activation_plan import PlanCost, cost
 from offload.host_memory import GIB, UnitSize
-from offload.plan import COMPUTE_EFFICIENCY, DEVICE_SHARE, saved_activation_bytes
+from offload.plan import COMPUTE_EFFICIENCY, DEVICE_SHARE, block_costs
 
 #: The link's rate where the hardware file does not give pcie_gbps (PCIe 4.0 x16, pinned)
 DEFAULT_LINK_GBPS = 25.0
@@ -25,14 +24,9 @@ def planned_activations(strategy: Any, trainer: Any, data: Any, config: Any, uni
                         compute: torch.dtype, hardware: Any, device_others: int, host_others: int) -> PlanCost:
     """The plan ``strategy`` takes for ``units`` on ``hardware`` and its cost; ``device_others`` and ``host_others``:
     the device's and the host's other bytes (estimate's figures without the activations)."""
-    tokens, blocks = data.batch_size * data.seq_len, len(units) - 1
-    saved, block_input = saved_activation_bytes(config, tokens, compute)
+    slide_plan = strategy.plan(trainer, compute)
     peak = (hardware.peak_for(compute) or 100.0) * 1e12 * (hardware.compute_efficiency or COMPUTE_EFFICIENCY)
     device_memory = hardware.memory_per_process_gb(trainer.num_devices) * GIB
-    costs = BlockCosts(
-        saved, block_input, units[0].full_numel * compute.itemsize,
-        tokens * flops_per_token(config, data.seq_len) / 3 / blocks / peak,
-        int(device_memory * DEVICE_SHARE) - device_others, max(0, int(hardware.host_memory_gb * GIB) - host_others),
-        (hardware.pcie_gbps or DEFAULT_LINK_GBPS) * 1e9, strategy.activation_offload == "cpu")
-    plan: ActivationPlan = strategy.plan(trainer, compute).activations(blocks, lambda: costs)
-    return cost(plan, costs)
+    costs = block_costs(slide_plan, config, data, units, peak, int(device_memory * DEVICE_SHARE) - device_others,
+                        int(hardware.host_memory_gb * GIB) - host_others, (hardware.pcie_gbps or DEFAULT_LINK_GBPS) * 1e9)
+    return cost(slide_plan.activations(len(units) - 1, lambda: costs), costs)
