@@ -207,7 +207,7 @@ class SlideEngine:
         for place in places:
             place.param.grad = None
         update_now = not (self.accumulating or self.schedule.defer)
-        self.gradients.reduce_and_offload(unit, part, grads, update_now)
+        self.gradients.reduce_and_offload(unit, part, grads, update_now, last=not self.accumulating)
         self.sent[unit] += 1
         if self.sent[unit] < len(self.gradients.parts[unit]):
             return

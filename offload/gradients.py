@@ -10,6 +10,12 @@ The host side runs on the CPU optimizer's worker thread while the device goes on
 of the units before it: wait for the copy, then either update the unit at once, or add the gradient
 to the unit's kept buffer (gradient accumulation, clipping) and update it at the optimizer step.
 
+Gradient accumulation on the device (``UpdateSchedule.accumulate_on_device``): a micro-batch that does not end the
+step reduces its gradients as the last one does and adds them, in float32, into a sum per gradient part kept on the
+device; the last micro-batch adds its own and sends the sum, rounded once to the reduce dtype, on the path above.
+The host sees one gradient a step, so every schedule (the speculative and the delayed update too) runs as without
+accumulation, and no fp32 copy is kept on the host.
+
 A delayed update (``UpdateSchedule.delay``, ZeRO-Offload's DPU) keeps each piece in its buffer (the reduce dtype,
 no fp32 copy) and, for clipping and the non-finite guard, adds its squared norm to the step's; at the optimizer step the step's
 updates are queued on the worker with the clipping coefficient, and run during the next step's forward and backward.
@@ -143,6 +149,7 @@ class GradientPipeline:
         self.squared_norm = 0.0  # of this step's gradient on this rank (``norms``)
         self.scale = 1.0  # clipping's coefficient for this step's delayed updates
         self.stale: set[int] = set()  # units whose master was updated and whose staging rows were not rewritten yet
+        self.accumulated: dict[tuple[int, int], torch.Tensor] = {}  # (unit, part): this step's float32 sum on the device
         self.attach(adam)
 
     def attach(self, adam: CpuAdam | None) -> None:
@@ -150,9 +157,11 @@ class GradientPipeline:
         self.adam = adam
         self.speculation = SpeculativeBackup(adam, self.host) if adam is not None and self.schedule.speculate else None
 
-    def reduce_and_offload(self, unit: int, part: int, gradients: list[torch.Tensor | None], update_now: bool) -> None:
+    def reduce_and_offload(self, unit: int, part: int, gradients: list[torch.Tensor | None], update_now: bool,
+                           last: bool = True) -> None:
         """Send a part of ``unit``'s full gradients (device, one per parameter of the part; None counts as zero) to the
-        host update, in ring-buffer-sized pieces."""
+        host update, in ring-buffer-sized pieces; with accumulation on the device, only in the ``last`` micro-batch of
+        the step (the others add theirs to the device's sum)."""
         sent = self.parts[unit][part]
         layout = sent.layout
         device = next((g.device for g in gradients if g is not None), self.transfers.device)
@@ -161,6 +170,8 @@ class GradientPipeline:
         flat = torch.empty(numel + (self.flag_elements if unsharded else 0), dtype=self.reduce_dtype, device=device)
         layout.scatter_to_rank_major(gradients, flat[:numel])
         if not self.gpu_reduce:  # the whole gradient, reduced on the host: one piece (the ring is sized for it)
+            if not self._sum_on_device((unit, part), flat[:numel], last):
+                return
             incoming = self.host.incoming.acquire(numel, self.adam.failure, self.transfers.clock.waiting)
             copied = self.transfers.d2h(incoming, flat)
             self.adam.submit(partial(self._on_host, unit, 0, layout.shard_numel, incoming, copied, update_now))
@@ -175,6 +186,8 @@ class GradientPipeline:
             dist.all_reduce(shard, group=self.replicate_group)
         if self.world_size > 1:
             shard.div_(self.world_size)
+        if not self._sum_on_device((unit, part), shard, last):
+            return
         if self.flag_elements:  # one reduction on the device, queued: no host sync
             verdict.copy_(torch.isfinite(shard.sum(dtype=torch.float32)).reshape(1))
         for start in range(0, n, self.capacity):
@@ -188,6 +201,22 @@ class GradientPipeline:
                 copied = self.transfers.d2h(incoming[stop - start :], verdict)  # after the piece, on the same stream
             self.adam.submit(partial(self._on_host, unit, sent.shard_offset + start, sent.shard_offset + stop, incoming,
                                      copied, update_now))
+
+    def _sum_on_device(self, key: tuple[int, int], values: torch.Tensor, last: bool) -> bool:
+        """With accumulation on the device: add ``values`` to ``key``'s float32 sum, or, in the ``last`` micro-batch,
+        replace them by the whole sum (rounded once to their dtype). Whether ``values`` go to the host now."""
+        if not self.schedule.accumulate_on_device:
+            return True
+        kept = self.accumulated.pop(key, None) if last else self.accumulated.get(key)
+        if last:
+            if kept is not None:
+                values.copy_(kept.add_(values))
+            return True
+        if kept is None:
+            self.accumulated[key] = values.to(torch.float32, copy=True)
+        else:
+            kept.add_(values)
+        return False
 
     def _on_host(self, unit: int, start: int, stop: int, incoming: torch.Tensor, copied: Event, update_now: bool) -> None:
         """Worker thread: rows ``[start, stop)`` of ``unit``'s shard are (being) copied into ``incoming``; reduce them here
@@ -291,6 +320,7 @@ class GradientPipeline:
         self.adam.wait()
         if undo and self.speculation is not None:
             self.speculation.undo()
+        self.accumulated.clear()
         self.received = [0] * len(self.layouts)
         self._release_held()
         self.squared_norm = 0.0

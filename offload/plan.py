@@ -34,6 +34,30 @@ from offload.activation_plan import ActivationPlan, ActivationPlanSpec, BlockCos
 from offload.schedule import UpdateSchedule
 
 
+def check_knob_values(*, cpu_threads: int | None, host_memory_gb: float | None, optimizer_state_dtype: str,
+                      master_dtype: str, cpu_binding: str, control_cores: int, delayed_update_warmup: int,
+                      speculative_update: bool, delayed_update: bool, accumulate_on: str) -> None:
+    """Refuse, when the strategy is built, a knob's value that no run could take (one line naming it and the fix)."""
+    if cpu_threads is not None and cpu_threads < 1:
+        raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for usable cores / processes per node, less one")
+    if host_memory_gb is not None and not host_memory_gb > 0:
+        raise ValueError(f"SlideFSDP host_memory_gb={host_memory_gb} must be > 0, or null for MemAvailable")
+    for knob, value in (("optimizer_state_dtype", optimizer_state_dtype), ("master_dtype", master_dtype)):
+        if value not in ("float32", "bfloat16"):
+            raise ValueError(f"SlideFSDP {knob}={value!r}: set it to float32 or bfloat16")
+    if cpu_binding not in ("numa", "none"):
+        raise ValueError(f"SlideFSDP cpu_binding={cpu_binding!r}: set it to numa or none")
+    if control_cores < 0:
+        raise ValueError(f"SlideFSDP control_cores={control_cores} must be >= 0")
+    if delayed_update_warmup < 0:
+        raise ValueError(f"SlideFSDP delayed_update_warmup={delayed_update_warmup} must be >= 0 optimizer steps")
+    if speculative_update and delayed_update:
+        raise ValueError("SlideFSDP speculative_update and delayed_update both overlap a clipped step's updates "
+                         "with a backward (this step's, or the next one's); set one of them to false")
+    if accumulate_on not in ("device", "host"):
+        raise ValueError(f"SlideFSDP accumulate_on={accumulate_on!r}: set it to device or host")
+
+
 @dataclass(frozen=True)
 class SlideRun:
     """What the trainer fixes for SlideFSDP's plan."""
@@ -102,11 +126,25 @@ class SlidePlan:
     speculative_update: bool = False  # knobs, last for the callers that predate them
     master_dtype: torch.dtype = torch.float32
     activation_plan: ActivationPlanSpec = None
+    accumulate_on: str = "device"
 
     @cached_property
     def schedule(self) -> UpdateSchedule:
         return UpdateSchedule.of(self.delayed_update, self.run.clipping, self.run.accumulation, self.on_nonfinite,
-                                 self.speculative_update)
+                                 self.speculative_update, self.accumulate_on)
+
+    @property
+    def host_accumulation(self) -> int:
+        """Micro-batches whose gradients the host receives per optimizer step: 1 where the device sums them."""
+        return 1 if self.schedule.accumulate_on_device else self.run.accumulation
+
+    def accumulator_bytes(self, units: Sequence[UnitSize]) -> int:
+        """One rank's device bytes for the micro-batches' float32 sum of its trained rows (0 without accumulation on
+        the device): its shard of each unit with ``gpu_reduce``, the whole gradients with ``cpu_reduce``."""
+        if not self.schedule.accumulate_on_device:
+            return 0
+        shards = self.run.processes_per_node if self.grad_sync == "cpu_reduce" else 1
+        return sum(unit.trained().shard_numel for unit in units) * shards * 4
 
     def check_knobs(self) -> None:
         """Refuse knobs that cannot work together on this run's devices (no model needed)."""
@@ -128,11 +166,11 @@ class SlidePlan:
                 "SlideFSDP param_transfer: shard all-gathers each block across the devices of a node, but there is "
                 "one process per node; use param_transfer: full or more --trainer.devices"
             )
-        if self.delayed_update and run.accumulation > 1:
+        if self.delayed_update and run.accumulation > 1 and self.accumulate_on == "host":
             raise ValueError(
-                f"SlideFSDP delayed_update applies a step's update during the next step's first backward, so the "
-                f"{run.accumulation} micro-batches of a step would compute with different weights; "
-                "set delayed_update: false or accumulate_grad_batches: 1"
+                f"SlideFSDP delayed_update with accumulate_on: host would rewrite a unit's staging rows after the "
+                f"first of a step's {run.accumulation} micro-batches, so the others would compute with newer weights; "
+                "set accumulate_on: device (the sum is sent once, in the last micro-batch) or delayed_update: false"
             )
         if self.grad_sync == "cpu_reduce" and run.accelerator == "cuda" and run.nodes * run.processes_per_node > 1:
             raise ValueError(

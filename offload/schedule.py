@@ -16,10 +16,11 @@ class UpdateSchedule:
     norms_on_arrival: bool = False  # the step's gradient norm is summed piece by piece as the pieces reach the host
     check_units_finite: bool = False  # each unit's gradient is checked before its own update (none deferred)
     speculate: bool = False  # updates run on arrival, undone at the optimizer step if clipping or the guard fires
+    accumulate_on_device: bool = False  # micro-batches' gradients summed on the device in float32, sent once a step
 
     @classmethod
     def of(cls, delayed_update: bool, clipping: bool, accumulation: int, on_nonfinite: str,
-           speculative_update: bool = False) -> "UpdateSchedule":
+           speculative_update: bool = False, accumulate_on: str = "host") -> "UpdateSchedule":
         """Clipping and skipping non-finite steps need every gradient before the first update of a step, so the
         updates are deferred; a delayed update defers them to the next step and keeps each gradient in its ring
         buffer (the reduce dtype), learning the norm as the pieces arrive, where accumulation and a deferred
@@ -29,16 +30,22 @@ class UpdateSchedule:
         A speculative update (``offload.speculation``) is not deferred: each unit's update runs on arrival, with its
         rows backed up first, and its gradient is kept until the optimizer step (in its ring buffer, or in the fp32
         copy that accumulation keeps anyway), where the global norm, summed on arrival, validates the step or undoes
-        it. It only matters where clipping or the guard could change the step: otherwise it is the overlapped update."""
+        it. It only matters where clipping or the guard could change the step: otherwise it is the overlapped update.
+
+        Gradient accumulation (``accumulation`` micro-batches a step) on the device (``accumulate_on``) sums the
+        micro-batches' reduced gradients in float32 there and sends the sum once, in the last micro-batch's backward:
+        the host sees one gradient a step, as without accumulation. On the host it adds each micro-batch's pieces
+        into the kept fp32 copy."""
         speculate = speculative_update and (clipping or on_nonfinite != "warn")
         defer = (clipping or on_nonfinite == "skip_step" or delayed_update) and not speculate
         return cls(
             delay=delayed_update,
             defer=defer,
-            keep_gradients=accumulation > 1 or (defer and not delayed_update),
+            keep_gradients=(accumulation > 1 and accumulate_on == "host") or (defer and not delayed_update),
             norms_on_arrival=(delayed_update or speculate) and (clipping or on_nonfinite != "warn"),
             check_units_finite=on_nonfinite != "warn" and not defer and not speculate,
             speculate=speculate,
+            accumulate_on_device=accumulation > 1 and accumulate_on == "device",
         )
 
     @property

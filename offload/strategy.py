@@ -13,7 +13,7 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -40,7 +40,7 @@ from offload.gradients import GradientPipeline
 from offload.host import HostState, SharedStaging, can_pin, node_tag
 from offload.host_memory import UnitSize
 from offload.layout import build_layouts, trained_layouts
-from offload.plan import SlidePlan, SlideRun, model_units, placed_costs, sizes_of
+from offload.plan import SlidePlan, SlideRun, check_knob_values, model_units, placed_costs, sizes_of
 from offload.preflight import UpdateThreads, host_memory_budget
 from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
@@ -74,6 +74,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         delayed_update: bool = False,
         delayed_update_warmup: int = 0,
         speculative_update: bool = False,
+        accumulate_on: Literal["device", "host"] = "device",
         gradient_slots: int | None = None,
         pin_memory: bool = True,
         host_memory_gb: float | None = None,
@@ -120,7 +121,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
                 one-step delayed parameter update, DPU), so that the update overlaps the whole step, clipping included
                 (the norm is known when the updates start); every step computes with weights one update old. Each
                 gradient waits in its buffer (the reduce dtype: 2 B/param in bfloat16) for its update. A checkpoint, a
-                validation and the end of training apply the waiting update first. Not with gradient accumulation.
+                validation and the end of training apply the waiting update first. Not with ``accumulate_on: host``.
             delayed_update_warmup: With ``delayed_update``, the first optimizer steps of training whose updates are
                 applied before the next step instead (ZeRO-Offload's DPU warm-up: staleness costs most while the
                 weights change fastest).
@@ -128,6 +129,9 @@ class SlideFSDPStrategy(CausalLMStrategy):
                 arrives and validate the step at the optimizer step: undone and redone clipped if clipping fires, undone
                 if the guard stops or skips it (``offload.speculation``); a backup of the rows before each update costs
                 4 + 2 x moment bytes per trained parameter. Not with ``delayed_update``.
+            accumulate_on: With gradient accumulation, where the micro-batches' gradients are summed: ``device`` (in
+                float32, 4 B per trained parameter of the rank's shard; sent once a step, so the updates overlap the
+                last backward, delayed or speculative too), or ``host`` (a kept float32 copy; not with ``delayed_update``).
             gradient_slots: Host buffers for gradients on their way to the CPU update, each the size of a block's
                 shard; default (null): one per piece of a backward (the device never waits for an update to free
                 one), plus ``max(2, window)`` with ``delayed_update``; ``max(2, window)`` when a kept fp32 gradient
@@ -146,29 +150,16 @@ class SlideFSDPStrategy(CausalLMStrategy):
         """
         super().__init__(block_class, param_dtype, reduce_dtype, activation_checkpointing, on_nonfinite, True,
                          process_group_backend, timeout)
-        if cpu_threads is not None and cpu_threads < 1:
-            raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for usable cores / processes per node, less one")
-        if host_memory_gb is not None and not host_memory_gb > 0:
-            raise ValueError(f"SlideFSDP host_memory_gb={host_memory_gb} must be > 0, or null for MemAvailable")
-        for knob, value in (("optimizer_state_dtype", optimizer_state_dtype), ("master_dtype", master_dtype)):
-            if value not in get_args(OptimizerStateDType):
-                raise ValueError(f"SlideFSDP {knob}={value!r}: set it to float32 or bfloat16")
+        check_knob_values(cpu_threads=cpu_threads, host_memory_gb=host_memory_gb, optimizer_state_dtype=optimizer_state_dtype,
+                          master_dtype=master_dtype, cpu_binding=cpu_binding, control_cores=control_cores,
+                          delayed_update_warmup=delayed_update_warmup, speculative_update=speculative_update,
+                          delayed_update=delayed_update, accumulate_on=accumulate_on)
         self.window, self.param_transfer, self.grad_sync = window, param_transfer, grad_sync
-        self.activation_plan = activation_plan
+        self.activation_plan, self.accumulate_on = activation_plan, accumulate_on
         self.activation_offload, self.compile_blocks, self.cpu_threads = activation_offload, compile_blocks, cpu_threads
-        if cpu_binding not in ("numa", "none"):
-            raise ValueError(f"SlideFSDP cpu_binding={cpu_binding!r}: set it to numa or none")
-        if control_cores < 0:
-            raise ValueError(f"SlideFSDP control_cores={control_cores} must be >= 0")
         self.cpu_binding, self.control_cores = cpu_binding, control_cores
         self.optimizer_state_dtype, self.master_dtype = optimizer_state_dtype, master_dtype
-        self.delayed_update = delayed_update
-        if delayed_update_warmup < 0:
-            raise ValueError(f"SlideFSDP delayed_update_warmup={delayed_update_warmup} must be >= 0 optimizer steps")
-        self.delayed_update_warmup = delayed_update_warmup
-        if speculative_update and delayed_update:
-            raise ValueError("SlideFSDP speculative_update and delayed_update both overlap a clipped step's updates "
-                             "with a backward (this step's, or the next one's); set one of them to false")
+        self.delayed_update, self.delayed_update_warmup = delayed_update, delayed_update_warmup
         self.speculative_update, self.gradient_slots = speculative_update, gradient_slots
         self.pin_memory, self.host_memory_gb = pin_memory, host_memory_gb
         self.engine: SlideEngine | None = None
@@ -197,7 +188,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             run=SlideRun.of_trainer(trainer, self.root_device.type), compute_dtype=compute,
             reduce_dtype=self.resolve_dtype(self.reduce_dtype, fallback=compute),
             speculative_update=self.speculative_update, master_dtype=getattr(torch, self.master_dtype),
-            activation_plan=self.activation_plan,
+            activation_plan=self.activation_plan, accumulate_on=self.accumulate_on,
         )
 
     def model_units(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
@@ -441,7 +432,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Micro-batches that do not end an accumulation window add their gradients on the host, with no update."""
+        """Micro-batches that do not end an accumulation window add their gradients to the step's sum (``accumulate_on``),
+        with no update."""
         assert self.engine is not None
         self.engine.accumulating = True
         try:

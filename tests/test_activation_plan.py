@@ -127,15 +127,22 @@ def test_a_plan_whose_host_blocks_do_not_fit_the_host_is_refused_before_launch_n
         plan.check_host(units, 128 * GIB, "available", activation_bytes=saved)
 
 
-@pytest.mark.parametrize(("extra", "counts", "mfu"), [
-    ([], {"host": 0, "recompute": 32, "keep": 0}, 0.379),
-    (["--trainer.strategy.init_args.activation_plan", "auto"], {"host": 3, "recompute": 28, "keep": 1}, 0.390),
-    (["--config", "configs/llama_8b_offload_8k.yaml"], {"host": 3, "recompute": 28, "keep": 1}, 0.390),
+EIGHT_K = ["--config", "configs/llama_8b_offload_8k.yaml"]
+
+
+@pytest.mark.parametrize(("extra", "counts", "mfu", "micro_batches"), [
+    ([], {"host": 0, "recompute": 32, "keep": 0}, 0.379, 1),
+    (["--trainer.strategy.init_args.activation_plan", "auto"], {"host": 3, "recompute": 28, "keep": 1}, 0.390, 1),
+    ([*EIGHT_K, "--data.init_args.batch_size", "8", "--trainer.accumulate_grad_batches", "1"],
+     {"host": 3, "recompute": 28, "keep": 1}, 0.390, 1),
+    (EIGHT_K, {"host": 11, "recompute": 15, "keep": 6}, 0.433, 4),  # as shipped: 4 micro-batches of 2
 ])
-def test_estimate_takes_and_prints_the_plan_of_both_8b_configs_on_the_h100_file(capsys, extra, counts, mfu):
-    """docs/offload.md's table: the 8B at 2,048 tokens as shipped and with auto, and at 8,192 (auto), on the H100
-    file: the plan, the whole recomputed blocks in the compute, the host blocks' tensors both ways over PCIe, and a
-    fit on both sides."""
+def test_estimate_takes_and_prints_the_plan_of_both_8b_configs_on_the_h100_file(capsys, extra, counts, mfu,
+                                                                               micro_batches):
+    """docs/offload.md's table: the 8B at 2,048 tokens as shipped and with auto, and at 8,192 (auto) in one
+    micro-batch of 8 and as shipped in 4 of 2 (the device's float32 sum of the gradients counted beside the plan's
+    activations), on the H100 file: the plan, the whole recomputed blocks in the compute, the weights loaded per
+    micro-batch and the host blocks' tensors both ways over PCIe, and a fit on both sides."""
     from lit_fsdp.commands.estimate import main
     from tests.helpers import REPO
 
@@ -145,9 +152,12 @@ def test_estimate_takes_and_prints_the_plan_of_both_8b_configs_on_the_h100_file(
     figures = json.loads(capsys.readouterr().out)
     assert figures["activation_plan"] == counts and figures["fits"]
     assert figures["mfu"] == pytest.approx(mfu, abs=0.001)
-    host_blocks = counts["host"] * 65_536 * (8 * 4096 + 4 * 14336) * 2
-    assert figures["h2d_bytes"] == pytest.approx(29.58e9 + host_blocks, rel=1e-3)
-    assert figures["host_by_buffer"].get("activations", 0) == host_blocks
+    host_blocks = counts["host"] * 65_536 * (8 * 4096 + 4 * 14336) * 2  # a step's tokens, whatever its micro-batches
+    weights = {1: 29.58e9, 4: 112.03e9}[micro_batches]  # the blocks loaded twice per micro-batch, the root once a step
+    assert figures["h2d_bytes"] == pytest.approx(weights + host_blocks, rel=1e-3)
+    accumulated = figures["device_by_component"]["model_states"]
+    assert accumulated == (8_030_261_248 * 4 if micro_batches > 1 else 0)  # every parameter's float32 sum
+    assert figures["host_by_buffer"].get("activations", 0) == host_blocks // micro_batches  # one micro-batch's
 
 
 def test_a_tensor_freed_in_the_forward_does_not_stand_in_for_a_later_one_at_its_address():

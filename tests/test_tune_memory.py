@@ -98,9 +98,15 @@ def test_slide_fsdp_keeps_a_window_on_the_device_and_14_to_20_bytes_per_paramete
     # clipping without delayed_update: a kept fp32 gradient takes each piece on arrival; max(2, window) buffers
     clipped = estimate(slide, TINY, replace(run_shape(accelerator="cuda", batch=m, clipping=True), reduce_dtype="float32"))
     assert clipped.host_per_node - gpu.host_per_node == 4 * TINY.parameters + ring(2, 4) - ring(PIECES, 4)
-    cpu = estimate(slide, TINY, run_shape(accelerator="cpu", batch=4))  # float32 staging, accumulation keeps gradients
-    assert cpu.host_per_node == TINY.parameters * (4 + 8 + 4 + 4) + ring(2, 4) + LAYERS * m * s * HIDDEN * 4 * 2
+    # float32 staging; 2 micro-batches summed on the device: each process's float32 sum of its shard there, no kept
+    # gradient on the host
+    cpu = estimate(slide, TINY, run_shape(accelerator="cpu", batch=4))
+    assert cpu.model_states == 4 * TINY.parameters // 2
+    assert cpu.host_per_node == TINY.parameters * (4 + 8 + 4) + ring(PIECES, 4) + LAYERS * m * s * HIDDEN * 4 * 2
     assert cpu.host_share == cpu.host_per_node // 2  # on a CPU the device is the host
+    on_host = estimate(slide, TINY, replace(run_shape(accelerator="cpu", batch=4), accumulate_on="host"))
+    assert on_host.model_states == 0  # a kept fp32 gradient takes each piece on arrival; max(2, window) buffers
+    assert on_host.host_per_node == TINY.parameters * (4 + 8 + 4 + 4) + ring(2, 4) + LAYERS * m * s * HIDDEN * 4 * 2
 
 
 def test_a_delayed_update_keeps_no_fp32_gradient_but_its_ring_holds_a_step_of_pieces_and_two_more():

@@ -25,6 +25,7 @@ from lit_fsdp.commands.tune.trials import Trial
 from tests.helpers import REPO, gpu_run_result
 
 RUN = RunShape(world_size=1, nodes=1, accelerator="cuda", seq_len=2048, batch_per_process=32, clipping=True)
+HOST_RUN = replace(RUN, accumulate_on="host")
 ACCUMULATING = Candidate(strategy="slide_fsdp", micro_batch=8, param_dtype="bfloat16", activation_checkpointing=1)
 EVIDENCE = Evidence(reference=None, loss_tolerance=0.02, memory_gb=79.1, budget_gb=71.2)
 
@@ -39,46 +40,60 @@ def slide_trial(candidate: Candidate, **figures) -> Trial:
 
 # --- the knob and where it cannot run --------------------------------------------------------------
 
-def test_a_delayed_update_with_gradient_accumulation_is_refused_and_an_accumulating_space_drops_it():
-    allowed = SearchSpace().resolve(RUN)
+def test_a_delayed_update_accumulating_on_the_host_is_refused_and_an_accumulating_space_drops_it():
+    """Accumulating on the host, a delayed update would rewrite the staging rows between a step's micro-batches; on
+    the device (the default) it accumulates."""
+    assert outside(ACCUMULATING.with_knobs({"delayed_update": True}), SearchSpace().resolve(RUN), RUN) is None
+    assert SearchSpace(micro_batch=[4, 8]).resolve(RUN)["delayed_update"] == [False, True]
+    allowed = SearchSpace().resolve(HOST_RUN)
     assert allowed["delayed_update"] == [False, True]
     delayed = ACCUMULATING.with_knobs({"delayed_update": True})
-    assert outside(delayed, allowed, RUN) == (
-        "delayed_update cannot accumulate gradients: micro_batch=8 is under the batch per process 32; "
-        "use micro_batch=32 or delayed_update=False")
-    assert outside(delayed.with_knobs({"micro_batch": 32}), allowed, RUN) is None
-    overlay = delayed.with_knobs({"micro_batch": 32}).overlay(RUN)
+    assert outside(delayed, allowed, HOST_RUN) == (
+        "delayed_update cannot accumulate gradients on the host: micro_batch=8 is under the batch per process 32; "
+        "use micro_batch=32, delayed_update=False or accumulate_on: device")
+    assert outside(delayed.with_knobs({"micro_batch": 32}), allowed, HOST_RUN) is None
+    overlay = delayed.with_knobs({"micro_batch": 32}).overlay(HOST_RUN)
     assert overlay["trainer"]["strategy"]["init_args"]["delayed_update"] is True
     assert overlay["trainer"]["accumulate_grad_batches"] == 1
-    assert "delayed_update" not in Candidate(micro_batch=8).overlay(RUN)["trainer"]["strategy"]["init_args"]  # FSDP2's
+    assert "delayed_update" not in Candidate(micro_batch=8).overlay(HOST_RUN)["trainer"]["strategy"]["init_args"]  # FSDP2's
     # the whole batch is not a micro-batch the space allows: every candidate accumulates, so no delayed update
-    assert SearchSpace(micro_batch=[4, 8]).resolve(RUN)["delayed_update"] == [False]
+    assert SearchSpace(micro_batch=[4, 8]).resolve(HOST_RUN)["delayed_update"] == [False]
     with pytest.raises(ValueError, match=r"delayed_update \[true\] needs the batch per process 32 in one micro-batch"):
-        SearchSpace(micro_batch=[4, 8], delayed_update=[True]).resolve(RUN)
+        SearchSpace(micro_batch=[4, 8], delayed_update=[True]).resolve(HOST_RUN)
 
 
-def test_a_smaller_micro_batch_from_a_delayed_update_turns_it_off_instead_of_accumulating():
-    allowed = SearchSpace().resolve(RUN)
+def test_a_smaller_micro_batch_from_a_delayed_update_turns_it_off_accumulating_on_the_host_and_keeps_it_on_the_device():
     delayed = ACCUMULATING.with_knobs({"micro_batch": 32, "delayed_update": True})
-    squeezed = Coder(allowed, RUN).propose(judge(Trial(delayed, "test", "oom", error="out of memory"), EVIDENCE), delayed)
+    oom = judge(Trial(delayed, "test", "oom", error="out of memory"), EVIDENCE)
+    on_device = Coder(SearchSpace().resolve(RUN), RUN).propose(oom, delayed)
+    assert (on_device[0].candidate.micro_batch, on_device[0].candidate.delayed_update) == (16, True)
+    allowed = SearchSpace().resolve(HOST_RUN)
+    squeezed = Coder(allowed, HOST_RUN).propose(oom, delayed)
     smaller = squeezed[0].candidate
     assert (smaller.micro_batch, smaller.delayed_update) == (16, False)
     assert squeezed[0].reason == "rules: memory_pressure: micro_batch 32 -> 16, delayed_update True -> False"
-    assert all(outside(p.candidate, allowed, RUN) is None for p in squeezed)
+    assert all(outside(p.candidate, allowed, HOST_RUN) is None for p in squeezed)
 
 
-def test_the_strategys_own_check_sees_the_candidates_accumulation_not_the_configs(tmp_path):
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+def test_the_strategys_own_check_sees_the_candidates_accumulation_not_the_configs(tmp_path, accumulate_on):
     """Configs of micro-batches of 2 accumulated 4 times: a delayed update with the 8 sequences in one micro-batch is
-    what SlideFSDP accepts, one with the configs' micro-batch is refused by SlideFSDP itself."""
+    what SlideFSDP accepts; one with the configs' micro-batch accumulates on the device, and is refused by SlideFSDP
+    itself accumulating on the host."""
     cli = parse_fit(["--config", str(REPO / "configs" / "quickstart.yaml"), "--trainer.default_root_dir", str(tmp_path),
                      "--trainer.strategy.class_path", "offload.SlideFSDPStrategy", "--data.init_args.batch_size", "2",
+                     "--trainer.strategy.init_args.accumulate_on", accumulate_on,
                      "--trainer.accumulate_grad_batches", "4"], run=False)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     run = run_shape(trainer, module, data, Hardware(accelerator="cpu", device_memory_gb=64.0, host_memory_gb=64.0))
+    assert run.accumulate_on == accumulate_on
     validate = strategy_validator(trainer, module, strategy_config(cli.config), run)
     delayed = default_candidate(trainer, data).with_knobs({"delayed_update": True})
     assert validate(delayed.with_knobs({"micro_batch": 8})) is None
-    assert validate(delayed).startswith("invalid: SlideFSDP delayed_update applies a step's update during the next")
+    if accumulate_on == "device":
+        assert validate(delayed) is None
+    else:
+        assert validate(delayed).startswith("invalid: SlideFSDP delayed_update with accumulate_on: host would rewrite")
     assert trainer.accumulate_grad_batches == 4  # the configs' trainer is left as it was
 
 
@@ -107,8 +122,12 @@ def test_an_exposed_cpu_update_moves_to_the_delayed_update_then_a_bigger_micro_b
     exposed = slide_trial(ACCUMULATING, offload_cpu_update_hidden_share=0.0, offload_update_wait_ms=6000.0)
     findings = [f for f in judge(exposed, EVIDENCE) if f.kind == "cpu_update"]
     changes = [p.candidate.changes(ACCUMULATING) for p in coder.propose(findings, ACCUMULATING)]
-    # the delayed update cannot accumulate: the whole batch in one micro-batch comes with it
-    assert changes == ["micro_batch=32 delayed_update=True", "micro_batch=16", "window=3", "param_transfer=shard",
+    # the device sums the micro-batches: the delayed update accumulates
+    assert changes == ["delayed_update=True", "micro_batch=16", "window=3", "param_transfer=shard", "grad_sync=cpu_reduce"]
+    on_host = [p.candidate.changes(ACCUMULATING)
+               for p in Coder(SearchSpace().resolve(HOST_RUN), HOST_RUN).propose(findings, ACCUMULATING)]
+    # accumulating on the host it cannot: the whole batch in one micro-batch comes with it
+    assert on_host == ["micro_batch=32 delayed_update=True", "micro_batch=16", "window=3", "param_transfer=shard",
                        "grad_sync=cpu_reduce"]
     synchronous = ACCUMULATING.with_knobs({"micro_batch": 16})
     whole = RunShape(1, 1, "cuda", 2048, 16, True)  # the batch per process is the micro-batch: one knob moves
@@ -196,15 +215,21 @@ def test_the_default_search_for_the_8b_on_an_h100_reaches_the_shipped_configs_kn
                     lambda candidate: None, runner, loss_tolerance=0.02, trial_timeout_s=900.0)
     result = Controller(search, Budget()).run()  # tune's default budget: 12 trials, patience 4
 
-    assert result.best.candidate.key() == shipped.key(), result.best.candidate.changes(shipped)
+    # the shipped knobs, and the activation plan, with the configs' micro-batch: the device sums the configs' 4
+    # micro-batches of 8, so the delayed update needs no larger one, and auto keeps or sends to the host blocks
+    # that the whole batch in one micro-batch would have recomputed (a micro-batch of 16 is slower by the estimate)
+    tuned = shipped.with_knobs({"micro_batch": 8, "activation_plan": "auto"})
+    assert result.best.candidate.key() == tuned.key(), result.best.candidate.changes(shipped)
     first = result.trials[2]  # after the default and its calibration: the Judge's cpu_update, the Coder's first move
-    assert first.source == "rules: cpu_update: delayed_update False -> True, micro_batch 8 -> 32"
+    assert first.source == "rules: cpu_update: delayed_update False -> True"
     assert result.default.findings[0]["kind"] == "cpu_update"
     # the update hidden, the device's compute is what is left: compiling the blocks is the next move
     ran = [trial for trial in result.trials if trial.index is not None]  # a trial the memory filter refused never ran
     assert ran[3].source == "rules: compute: compile_blocks False -> True" and ran[3].tokens_per_s > ran[2].tokens_per_s
     assert result.best.tokens_per_s > 1.5 * result.default.tokens_per_s
-    assert result.best.mfu > 0.35  # estimate's 40% at the hardware file's compute_efficiency of 0.5
-    # none ran that could not: no delayed update accumulating, nothing the memory filter refused
-    assert all(not (c.delayed_update and c.micro_batch < 32) for c in runner.ran)
+    assert result.best.mfu > 0.42  # estimate's 42.3% at the hardware file's compute_efficiency of 0.5
+    # the plan decides the recompute: no trial of it drops activation_checkpointing as well
+    assert not any(t.candidate.activation_plan == "auto" and t.candidate.activation_checkpointing == 0
+                   for t in result.trials)
+    # none ran that could not: nothing the memory filter refused
     assert all(t.status == "ok" for t in result.trials if t.index is not None)

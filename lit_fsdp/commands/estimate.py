@@ -34,7 +34,7 @@ import torch
 from lit_fsdp.checkpoints import checkpoint_size
 from lit_fsdp.commands.cli import LitFsdpCLI, run as parse_fit
 from lit_fsdp.commands.activation_estimate import planned_activations
-from lit_fsdp.flops import flops_per_token, recompute_flops_per_token
+from lit_fsdp.flops import block_matmul_flops_per_token, flops_per_token, recompute_flops_per_token
 from offload.activation_plan import describe as describe_plan
 from lit_fsdp.lora import adapter_parameters, trained_matrices
 from lit_fsdp.commands.help import plain
@@ -114,11 +114,12 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
 
     Per micro-batch every block is loaded for the forward and again for the backward, less the last
     ``window - 1`` blocks, which stay; the root is loaded once per optimizer step (the step changes it), a frozen one
-    (LoRA) once per run. Every unit's reduced gradient of its trained parameters goes to the host each micro-batch;
-    checkpointed inputs go there and back.
+    (LoRA) once per run. Every unit's reduced gradient of its trained parameters goes to the host each micro-batch
+    (once a step where the device sums the micro-batches); checkpointed inputs go there and back.
     """
     strategy, steps = trainer.strategy, trainer.accumulate_grad_batches
-    schedule = strategy.plan(trainer, compute).schedule
+    plan = strategy.plan(trainer, compute)
+    schedule = plan.schedule
     p = compute.itemsize
     reduce = reduce_dtype.itemsize
     full = strategy.param_transfer == "full"
@@ -139,7 +140,7 @@ def slide_traffic(trainer: RunTrainer, units: list[UnitSize], micro_batch: int, 
         incoming += FLAG_ELEMENTS * sum(pieces(part, capacity) for unit in units for part in unit.part_sizes())
     traffic = {
         "h2d": (load(root) if trained[-1].full_numel else 0) + steps * (per_micro_batch + inputs),
-        "d2h": steps * (incoming * reduce + inputs),
+        "d2h": plan.host_accumulation * incoming * reduce + steps * inputs,
         "reduce_scatter": 0.0, "all_gather": 0.0, "all_reduce": 0.0,
     }
     whole = sum(unit.shard_numel for unit in trained) * shards
@@ -193,8 +194,8 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
     Per trained parameter, in one pass per chunk (``offload.cpu_adam``): AdamW's master weight and moments read and
     written
     (``adamw_state_bytes``), the staging copy written from the chunk in cache (the compute dtype), and the gradient,
-    read by AdamW in the dtype it arrives in, or accumulated into the kept fp32 buffer each micro-batch when
-    gradients are kept; no staging write where the master is the staging copy (``units``: the model's, to tell; by
+    read by AdamW in the dtype it arrives in, or accumulated into the kept fp32 buffer each micro-batch it reaches the
+    host in when gradients are kept (one a step where the device sums them); no staging write where the master is the staging copy (``units``: the model's, to tell; by
     default assumed to train every parameter). A delayed update cannot write the staging copy while the next step may load it: the unit's
     rows are rewritten from the master (read again) once it is loaded for the last time. The non-finite check is the device's with ``gpu_reduce``; with ``cpu_reduce`` the host
     reads the gradient once more for it.
@@ -206,7 +207,7 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
     state = adamw_state_bytes(plan.optimizer_state_dtype, master)
     per = state + (0 if plan.master_in_staging(units) else compute.itemsize)
     if schedule.keep_gradients:
-        per += trainer.accumulate_grad_batches * (reduce + 8) + 4
+        per += plan.host_accumulation * (reduce + 8) + 4
     else:
         per += reduce
     if schedule.delay:  # the staging row rewritten from the master after the unit's last load of the step
@@ -216,6 +217,15 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
     if schedule.check_units_finite and strategy.grad_sync == "cpu_reduce":
         per += 4 if schedule.keep_gradients else reduce
     return parameters * per
+
+
+def float8_peak(peak: float | None, fp8_peak: float | None, flops: float, in_float8: float) -> float | None:
+    """The device's rate over ``flops`` of which ``in_float8`` run at ``fp8_peak`` (the hardware file's; a probed one
+    is ``torch._scaled_mm``'s measured rate) and the rest at ``peak``: the harmonic mix. Unchanged where either is
+    unknown (a CPU emulates float8, no faster). Casts and scales are not counted."""
+    if peak is None or fp8_peak is None:
+        return peak
+    return flops / ((flops - in_float8) / peak + in_float8 / fp8_peak)
 
 
 def _sum_known(parts: list[float | None]) -> float | None:
@@ -281,6 +291,10 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     flops = model_flops + tokens * recompute_flops_per_token(config, data.seq_len, recompute,
                                                              whole_block=activation_plan is not None)
     peak = hardware.peak_for(compute)
+    if (module.hparams.get("float8") or "off") != "off":  # the blocks' linear layers at the fp8 rate
+        recomputed = len(recompute) if not isinstance(recompute, int) else len(range(0, config.num_hidden_layers, recompute)) if recompute else 0
+        in_float8 = tokens * block_matmul_flops_per_token(config, recomputed, activation_plan is not None, bool(lora))
+        peak = float8_peak(peak, hardware.peak_tflops.get("fp8"), flops, in_float8)
     network = {name: traffic[name] for name in ("all_gather", "reduce_scatter", "all_reduce")}
     # a shard group inside one node gathers and reduce-scatters over its fast links; replicas on several nodes
     # all-reduce across nodes

@@ -10,18 +10,22 @@ turns (each finding's first move, in the Judge's order, then each one's second, 
   flight, torch's CPU offload, and SlideFSDP (blocks streamed from the host) for a model that fits
   nowhere else;
 - ``memory_headroom``: a bigger micro-batch, less checkpointing, less sharding (the model is small
-  next to the memory), FSDP2 instead of offload, a wider SlideFSDP window;
+  next to the memory), FSDP2 instead of offload, SlideFSDP's activation plan (``auto``: what fits stays on the
+  device or goes to the host instead of being recomputed), a wider SlideFSDP window;
 - ``host_overhead``: a bigger micro-batch, larger units, compiled blocks (GPUs);
-- ``compute``: bfloat16 and compiled blocks on GPUs, less recompute, a bigger micro-batch;
+- ``compute``: bfloat16 and compiled blocks on GPUs, less recompute (SlideFSDP: its activation plan), a bigger
+  micro-batch;
 - ``cpu_update`` (SlideFSDP's CPU AdamW update gates the device): ``delayed_update`` (the update of a step runs
-  during the whole next step's forward and backward, not in its backward alone; it cannot accumulate, so a
-  micro-batch under the batch per process becomes the whole batch in the same move), then a bigger micro-batch
+  during the whole next step's forward and backward, not in its backward alone; accumulating on the host it cannot
+  accumulate, so there a micro-batch under the batch per process becomes the whole batch in the same move), then a
+  bigger micro-batch
   (more tokens per step amortise the update, whose time does not grow with them), then a wider window, the other
   transfer and reduction paths, no activation offload;
 - ``numerics``: back to exact gradients and float32;
 - ``failure``: back from compilation, offload and the delayed update.
 
-A move that would make a delayed update accumulate (a smaller micro-batch) turns the delayed update off. Moves
+A move that would make a delayed update accumulate on the host (a smaller micro-batch) turns the delayed update
+off. Moves
 with a value the search space does not allow are dropped; the Controller drops repeats and what cannot run.
 """
 
@@ -70,6 +74,8 @@ class Coder:
         return next(({name: v} for v in self.allowed[name] if v != current), {})
 
     def _less_checkpointing(self, base: Candidate) -> Move:
+        if base.strategy == "slide_fsdp" and base.activation_plan == "auto":  # the plan decides, not the count
+            return {}
         every = base.activation_checkpointing
         return self._set("activation_checkpointing", 0, every) if every else {}
 
@@ -113,6 +119,7 @@ class Coder:
             self._fsdp2(base, self._set("sharding", "NO_SHARD", base.sharding)),
             self._fsdp2(base, self._set("cpu_offload", False, base.cpu_offload)),
             self._slide(base, {"strategy": "fsdp2"}),
+            self._slide(base, self._set("activation_plan", "auto", base.activation_plan)),
             self._slide(base, self._next("window", base.window, up=True)),
             self._slide(base, self._set("activation_offload", "none", base.activation_offload)),
         ]
@@ -130,12 +137,14 @@ class Coder:
             self._set("param_dtype", "bfloat16", base.param_dtype) if on_gpu and base.param_dtype == "float32" else {},
             self._set("compile_blocks", True, base.compile_blocks) if on_gpu else {},
             self._less_checkpointing(base),
+            self._slide(base, self._set("activation_plan", "auto", base.activation_plan)),
             self._next("micro_batch", base.micro_batch, up=True),
         ]
 
     def cpu_update(self, base: Candidate) -> list[Move]:
         whole = self.run.batch_per_process
-        delayed = {"delayed_update": True, **({"micro_batch": whole} if base.micro_batch < whole else {})}
+        whole_batch = base.micro_batch < whole and self.run.accumulate_on == "host"
+        delayed = {"delayed_update": True, **({"micro_batch": whole} if whole_batch else {})}
         return [
             self._slide(base, {} if base.delayed_update else delayed),
             self._next("micro_batch", base.micro_batch, up=True),
@@ -154,9 +163,10 @@ class Coder:
                 self._slide(base, {"strategy": "fsdp2"})]
 
     def _runnable(self, base: Candidate, move: Move) -> Move:
-        """``move``, with the delayed update turned off where the move would make it accumulate (it cannot)."""
+        """``move``, with the delayed update turned off where the move would make it accumulate on the host (it cannot)."""
         moved = base.with_knobs(move)
-        if moved.strategy == "slide_fsdp" and moved.delayed_update and moved.micro_batch < self.run.batch_per_process:
+        if (moved.strategy == "slide_fsdp" and moved.delayed_update and moved.micro_batch < self.run.batch_per_process
+                and self.run.accumulate_on == "host"):
             return {**move, "delayed_update": False}
         return move
 

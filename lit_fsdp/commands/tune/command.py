@@ -122,6 +122,9 @@ def default_candidate(trainer: pl.Trainer, data: Any) -> Candidate:
         raise ValueError(f"the configs' strategy is {type(strategy).__name__}; tune searches the knobs of "
                          f"{' and '.join(STRATEGY_CLASSES.values())}: start from a config with one of them")
     knobs = {knob: getattr(strategy, knob) for knob in COMMON_KNOBS[1:] + STRATEGY_KNOBS[name] if hasattr(strategy, knob)}
+    if isinstance(knobs.get("activation_plan"), dict):
+        raise ValueError(f"the configs' activation_plan is {knobs['activation_plan']}; tune searches null and auto (the "
+                         "plan chosen on the machine): set activation_plan: auto, or remove it")
     if name == "fsdp2":
         knobs["compression"] = "none" if strategy.compression is None else strategy.compression.method
         if strategy.sharding == "HYBRID_SHARD" and strategy.replicate_size is None:
@@ -141,7 +144,8 @@ def run_shape(trainer: pl.Trainer, module: Any, data: Any, hardware: Hardware) -
                    # SlideFSDP's; a SlideFSDP candidate from FSDP2 configs gets the strategy's default
                    reduce_dtype=trainer.strategy.reduce_dtype if isinstance(trainer.strategy, SlideFSDPStrategy) else "auto",
                    outer=semi.config.outer if (semi := getattr(trainer.strategy, "semi_sync", None)) else None,
-                   on_nonfinite=trainer.strategy.on_nonfinite)
+                   on_nonfinite=trainer.strategy.on_nonfinite,
+                   accumulate_on=getattr(trainer.strategy, "accumulate_on", "device"))
     if accelerator != hardware.accelerator:
         raise ValueError(f"the configs train on {accelerator} but the hardware is {hardware.accelerator}; "
                          "fix --trainer.accelerator or the hardware file's accelerator")

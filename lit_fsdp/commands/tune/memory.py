@@ -14,7 +14,8 @@ r = 4 bytes per reduced gradient value):
   units are resharded after forward (FULL_SHARD, HYBRID_SHARD), every block otherwise; plus a unit's
   and the root's unsharded gradients and their reduce buffers, (p + r) each (with LoRA: of their adapters
   only). SlideFSDP: ``window`` blocks and the root in p bytes, the root's gradients and two blocks of
-  gradients in r bytes (with LoRA: of their adapters only), r its reduce dtype's (``auto``: p).
+  gradients in r bytes (with LoRA: of their adapters only), r its reduce dtype's (``auto``: p); its model states are
+  the micro-batches' float32 gradient sum with accumulation on the device (4 x trained / processes per node).
 - **activations**: per block (8h + 2i) x m x s values (8h + 4i for gated MLPs: Llama), the tensors
   autograd keeps (Korthikanti et al. 2022 without dropout masks; attention's s x s scores are not
   kept by SDPA); a checkpointed block keeps only its input (h x m x s) and one block's activations
@@ -39,7 +40,7 @@ r = 4 bytes per reduced gradient value):
 
 Per node on the host: SlideFSDP's buffers as ``offload.host_memory`` counts them for its preflight (14-18
 bytes per parameter, the gradient ring and offloaded activations, in the configs' reduce dtype; with LoRA the
-frozen base's p bytes, and the 14-18 for the adapters only): a kept fp32 gradient (4 more) with accumulation, or
+frozen base's p bytes, and the 14-18 for the adapters only): a kept fp32 gradient (4 more) with accumulation on the host, or
 with clipping without ``delayed_update``; a delayed update keeps none, but its ring holds a whole step's gradient
 pieces (``offload.host_memory.gradient_slots``). Or
 FSDP2's 16 x P / shard group per process with ``cpu_offload``. On a CPU
@@ -178,7 +179,8 @@ def activation_bytes(candidate: Candidate, model: ModelShape, run: RunShape, p: 
     tokens = candidate.micro_batch * run.seq_len
     per_block, block_input = block_activation_bytes(model.hidden, model.intermediate, model.gated_mlp, tokens, p)
     per_block += tokens * (model.adapter_ranks * p + model.adapter_dropped * (p + 1))  # LoRA; a dropout mask: 1 byte
-    every = candidate.activation_checkpointing
+    # SlideFSDP's auto plan recomputes what the device cannot keep: at most what recomputing every block keeps
+    every = 1 if candidate.strategy == "slide_fsdp" and candidate.activation_plan == "auto" else candidate.activation_checkpointing
     checkpointed = math.ceil(model.layers / every) if every else 0
     kept_inputs = checkpointed * block_input
     recompute = per_block if checkpointed else 0
@@ -230,8 +232,10 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
             run=SlideRun(processes, run.nodes, -(-run.batch_per_process // candidate.micro_batch), run.clipping,
                          run.accelerator),
             compute_dtype=dtype, reduce_dtype=reduce, master_dtype=getattr(torch, run.master_dtype),
+            accumulate_on=run.accumulate_on,
         )
         host = sum(plan.host_buffers(units, offloaded_activations).values())
+        states = plan.accumulator_bytes(units)  # the micro-batches' float32 sum, on the device
     else:
         states = model_state_bytes(model.parameters, model.trained) // shard_group(candidate, run.world_size)
         unit = candidate.blocks_per_group * model.block_parameters

@@ -4,8 +4,8 @@
 A candidate maps onto a config overlay: ``trainer.strategy`` (``FSDP2Strategy`` or ``SlideFSDPStrategy``
 with the candidate's knobs), ``data.init_args.batch_size`` (the micro-batch) and
 ``trainer.accumulate_grad_batches`` (so that micro-batch x accumulation stays the configs' batch per process).
-SlideFSDP's ``delayed_update`` runs a step's CPU update during the next step, so it needs the whole batch per process
-in one micro-batch: ``outside`` refuses it with accumulation.
+SlideFSDP's ``delayed_update`` runs a step's CPU update during the next step, so with ``accumulate_on: host`` it needs
+the whole batch per process in one micro-batch: ``outside`` refuses it with accumulation there.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ STRATEGY_CLASSES = {"fsdp2": "lit_fsdp.strategy.FSDP2Strategy", "slide_fsdp": "o
 COMMON_KNOBS = ("micro_batch", "param_dtype", "activation_checkpointing")
 STRATEGY_KNOBS = {
     "fsdp2": ("sharding", "replicate_size", "blocks_per_group", "prefetch", "compile_blocks", "cpu_offload", "compression"),
-    "slide_fsdp": ("window", "param_transfer", "grad_sync", "activation_offload", "delayed_update", "compile_blocks"),
+    "slide_fsdp": ("window", "param_transfer", "grad_sync", "activation_offload", "delayed_update", "activation_plan",
+                   "compile_blocks"),
 }
 
 
@@ -51,6 +52,7 @@ class RunShape:
     reduce_dtype: str = "auto"  # the configs' reduce_dtype: SlideFSDP's gradients reach the host in it (auto: compute dtype)
     outer: OuterConfig | None = None  # semi-synchronous training's outer step (the configs' sync_every > 0)
     on_nonfinite: str = "stop"  # the configs' guard: skip_step keeps SlideFSDP's gradients until the step's norm is known
+    accumulate_on: str = "device"  # the configs' SlideFSDP knob: where micro-batches' gradients are summed
 
     @property
     def processes_per_node(self) -> int:
@@ -77,6 +79,7 @@ class Candidate:
     grad_sync: GradSync = "gpu_reduce"
     activation_offload: ActivationOffload = "none"
     delayed_update: bool = False
+    activation_plan: Literal["auto"] | None = None  # SlideFSDP's plan chosen on the machine; None: activation_checkpointing
 
     def knobs(self) -> dict[str, Any]:
         """The knobs that apply to its strategy (``strategy`` first): what makes two candidates the same."""
@@ -202,7 +205,9 @@ class SearchSpace:
     activation_offload: list[ActivationOffload] = field(default_factory=lambda: _all(ActivationOffload))
     """SlideFSDP activation offload"""
     delayed_update: list[bool] = field(default_factory=lambda: [False, True])
-    """SlideFSDP's CPU update of a step run during the next step (ZeRO-Offload's delayed update; not with accumulation)"""
+    """SlideFSDP's CPU update of a step run during the next step (ZeRO-Offload's delayed update; accumulating on the host: no)"""
+    activation_plan: list[Literal["auto"] | None] = field(default_factory=lambda: [None, "auto"])
+    """SlideFSDP's activation plan: null (activation_checkpointing decides) or auto (keep, host or recompute per block)"""
 
     def resolve(self, run: RunShape) -> dict[str, list]:
         """The allowed values of every knob for ``run``; a value that cannot work raises ValueError before any trial."""
@@ -228,13 +233,14 @@ class SearchSpace:
                 raise ValueError(f"--tune.space.compression {method!r} is not a method; choose from {', '.join(METHODS)}")
         if any(not values[name] for name in ("strategy", "sharding", "param_dtype")):
             raise ValueError("--tune.space.strategy, sharding and param_dtype need at least one value each")
-        if batch not in values["micro_batch"]:  # every candidate accumulates: a delayed update never runs
+        if batch not in values["micro_batch"] and run.accumulate_on == "host":  # all accumulate: no delayed update
             if values["delayed_update"] and not any(value is False for value in values["delayed_update"]):
                 raise ValueError(f"--tune.space.delayed_update [true] needs the batch per process {batch} in one "
                                  f"micro-batch (no accumulation): add {batch} to --tune.space.micro_batch")
             values["delayed_update"] = [False]
-        if not values["delayed_update"]:
-            raise ValueError("--tune.space.delayed_update needs at least one value")
+        for name in ("delayed_update", "activation_plan"):
+            if not values[name]:
+                raise ValueError(f"--tune.space.{name} needs at least one value")
         return values
 
 
@@ -249,7 +255,9 @@ def outside(candidate: Candidate, allowed: dict[str, list], run: RunShape) -> st
         return "HYBRID_SHARD needs a replicate_size"
     if candidate.strategy == "slide_fsdp" and candidate.param_transfer == "shard" and run.processes_per_node < 2:
         return "param_transfer=shard needs >= 2 processes per node"
-    if candidate.strategy == "slide_fsdp" and candidate.delayed_update and candidate.micro_batch < run.batch_per_process:
-        return (f"delayed_update cannot accumulate gradients: micro_batch={candidate.micro_batch} is under the batch per "
-                f"process {run.batch_per_process}; use micro_batch={run.batch_per_process} or delayed_update=False")
+    if (candidate.strategy == "slide_fsdp" and candidate.delayed_update and candidate.micro_batch < run.batch_per_process
+            and run.accumulate_on == "host"):
+        return (f"delayed_update cannot accumulate gradients on the host: micro_batch={candidate.micro_batch} is under "
+                f"the batch per process {run.batch_per_process}; use micro_batch={run.batch_per_process}, "
+                "delayed_update=False or accumulate_on: device")
     return None
