@@ -282,7 +282,8 @@ def block_costs(plan: SlidePlan, config: Any, data: Any, units: Sequence[UnitSiz
 def placed_costs(module: Any, plan: SlidePlan, window: Any, units: Sequence[UnitSize],
                  host_memory_gb: float | None) -> BlockCosts:
     """``activation_plan: auto``'s costs, once the window and the root are on the device: its free memory less the
-    loss's, the host's less SlideFSDP's buffers, the link's rate timed on a block's weights, a block's forward from its
+    loss's and the micro-batches' gradient sum's (allocated later, in the first micro-batch), the host's less
+    SlideFSDP's buffers, the link's rate timed on a block's weights, a block's forward from its
     FLOPs at ``COMPUTE_EFFICIENCY`` of the device's peak (on a CPU: nominal rates, for tests)."""
     from lit_fsdp.device_peaks import peak_tflops
     from lit_fsdp.loss import loss_bytes
@@ -303,5 +304,5 @@ def placed_costs(module: Any, plan: SlidePlan, window: Any, units: Sequence[Unit
     host, _ = host_memory_budget(host_memory_gb)
     # MemAvailable now already lacks the buffers placed so far: counting them again errs on the safe side
     host_left = (host or 0) - sum(with_runtime(plan.host_buffers(units), plan.run.processes_per_node).values())
-    return block_costs(plan, config, data, units, peak * COMPUTE_EFFICIENCY, int(free * DEVICE_SHARE) - loss, host_left,
-                       rate)
+    device_left = int(free * DEVICE_SHARE) - loss - plan.accumulator_bytes(units)
+    return block_costs(plan, config, data, units, peak * COMPUTE_EFFICIENCY, device_left, host_left, rate)
