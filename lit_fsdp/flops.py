@@ -133,3 +133,13 @@ def recompute_flops_per_token(config: PretrainedConfig, seq_len: int, checkpoint
         keys = [keys[block] for block in checkpoint_every]
     weights = shape.block_weights - (0 if whole_block else shape.last_weights)
     return len(keys) * 2 * weights + 4 * shape.attention_width * sum(keys)
+
+
+def block_matmul_flops_per_token(config: PretrainedConfig, recomputed: int = 0, whole_block: bool = False,
+                                 frozen: bool = False) -> int:
+    """FLOPs per token of the blocks' weight matrices alone (what ``--model.float8`` runs in float8): ``6n`` per weight
+    (``4n`` where the base is frozen: LoRA), and for each of ``recomputed`` blocks its forward again (its last matrix
+    only where ``whole_block``, as in ``recompute_flops_per_token``). Attention's products and the head are not in it."""
+    shape = matmul_shape(config)
+    again = shape.block_weights - (0 if whole_block else shape.last_weights)
+    return (4 if frozen else 6) * shape.layers * shape.block_weights + 2 * again * recomputed

@@ -156,7 +156,10 @@ def fit(name: str, work: Path, configs: list[str], record: Record, steps: int, m
                              env=environment())
     first_step_at = steady_from = None
     while child.poll() is None:
-        time.sleep(2)
+        try:  # every 2 s, or at once when it ends
+            child.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
         losses = logged_losses(folder)
         now = time.perf_counter() - begin
         if losses and first_step_at is None:

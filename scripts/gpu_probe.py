@@ -105,7 +105,8 @@ def registration(record: Record) -> None:
 
 def bandwidths(record: Record, device: str) -> dict[str, float]:
     """Copies (host to device and back, registered and pageable; on the device; on the host) in GB/s and TB/s, and
-    GEMMs in TFLOP/s: bfloat16 and float32 on a GPU, float32 on the CPU."""
+    GEMMs in TFLOP/s: bfloat16 and float32 on a GPU (and float8, ``torch._scaled_mm`` with one scale per tensor as
+    ``--model.float8 tensorwise`` calls it, where the GPU has float8 tensor cores), float32 on the CPU."""
     import torch
 
     from offload.host import register_host_memory
@@ -130,6 +131,15 @@ def bandwidths(record: Record, device: str) -> dict[str, float]:
         rates["gemm_bf16_tflops"] = 2 * n**3 / median_ms(lambda: a @ b, 10, device) / 1e9
         a32, b32 = a.float(), b.float()
         rates["gemm_fp32_tflops"] = 2 * n**3 / median_ms(lambda: a32 @ b32, 5, device) / 1e9
+        if torch.cuda.get_device_capability() >= (8, 9):  # the second operand column-major, as _scaled_mm takes it
+            a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+            one = torch.ones((), device="cuda")
+            try:  # a private op: its failure is recorded, and the probe's other rates stand
+                rates["gemm_fp8_tflops"] = 2 * n**3 / median_ms(
+                    lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 10, device) / 1e9
+            except RuntimeError as error:
+                record.put(gemm_fp8_error=str(error).splitlines()[0])
+            del a8, b8
         del a, b, a32, b32
         torch.cuda.empty_cache()
     host_size = (4 * GIB) if device == "cuda" else (256 << 20)
@@ -221,6 +231,8 @@ def probe(record: Record, device: str, work: Path) -> None:
     if device == "cuda":
         hardware["pcie_gbps"] = round(min(rates["h2d_registered_gbps"], rates["d2h_registered_gbps"]), 1)
         hardware["peak_tflops"] = {**hardware["peak_tflops"], "bf16": round(rates["gemm_bf16_tflops"], 1)}
+        if "gemm_fp8_tflops" in rates:  # estimate's rate for the blocks' linear layers under --model.float8
+            hardware["peak_tflops"]["fp8"] = round(rates["gemm_fp8_tflops"], 1)
         hardware["compute_efficiency"] = round(min(1.0, model_efficiency(record, rates["gemm_bf16_tflops"])), 3)
     (work / "hardware.json").write_text(json.dumps(hardware, indent=2) + "\n")
     record.put(hardware=hardware)

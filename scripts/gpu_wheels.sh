@@ -9,12 +9,14 @@
 # The peers step (scripts/bench_peers.py) needs deepspeed, and what of its requirements the image lacks: hjson and
 # pydantic with its own (pydantic-core, annotated-types, typing-inspection, and typing-extensions 4.16 or later; einops,
 # msgpack, ninja, psutil, py-cpuinfo are there), pinned to the releases tested together on the CPU. deepspeed 0.19's release on PyPI is a source
-# distribution: its wheel is built here, pure Python (its C++ ops are built at first use, there as on the CPU).
+# distribution: its wheel is built here, pure Python (its C++ ops are built at first use, there as on the CPU). The
+# float8 steps need torchao (the float8 extra's release; its float8 training is Python and Triton, so a wheel built for
+# another torch still serves it).
 set -euo pipefail
 folder="${1:-.whl}"
 shift || true
 packages=(jsonargparse docstring-parser typeshed-client ijson hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5
-          annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 "$@")
+          annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 torchao==0.18.0 "$@")
 mkdir -p "$folder"
 for package in "${packages[@]}"; do
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" \

@@ -144,3 +144,37 @@ def test_mfu_of_a_float8_run_is_counted_against_the_bf16_peak_and_says_so(monkey
     callback.seq_len, callback.step_seconds, callback.tokens_per_step = 128, [1.0], 512
     summary = callback.summary()
     assert summary["float8"] == "tensorwise" and summary["mfu_peak_format"] == "bf16" and summary["mfu"] > 0
+
+
+def test_estimate_runs_the_blocks_matrices_at_the_fp8_rate_and_the_rest_at_the_compute_dtypes():
+    """The blocks' weight matrices alone (6n a weight, 4n frozen, a recomputed block's forward again) are what float8
+    runs; the step's rate is the harmonic mix of the fp8 and bf16 peaks over them, unchanged where fp8's is unknown."""
+    from lit_fsdp.commands.estimate import float8_peak
+    from lit_fsdp.flops import block_matmul_flops_per_token, flops_per_token, matmul_shape
+
+    config = build_config("llama-8b")
+    shape = matmul_shape(config)
+    blocks = shape.layers * shape.block_weights
+    assert block_matmul_flops_per_token(config) == 6 * blocks
+    assert block_matmul_flops_per_token(config, frozen=True) == 4 * blocks
+    assert block_matmul_flops_per_token(config, 32, whole_block=True) == 6 * blocks + 2 * 32 * shape.block_weights
+    # the head and attention stay in bfloat16: at 2,048 tokens they are 11% of the 8B's training FLOPs
+    assert 0.08 < 1 - 6 * blocks / flops_per_token(config, 2048) < 0.14
+    assert float8_peak(989.5, 1979.0, 100.0, 50.0) == pytest.approx(100 / (50 / 989.5 + 50 / 1979.0))
+    assert float8_peak(989.5, 1979.0, 100.0, 0.0) == pytest.approx(989.5)
+    assert float8_peak(989.5, None, 100.0, 50.0) == 989.5 and float8_peak(None, 1979.0, 100.0, 50.0) is None
+
+
+@needs_torchao
+def test_estimate_of_the_8b_with_float8_on_the_h100_file_counts_the_blocks_at_the_fp8_peak_and_mfu_against_bf16():
+    from lit_fsdp.commands.estimate import estimate_step, parse
+    from lit_fsdp.commands.tune.hardware import load
+    from tests.helpers import REPO
+
+    hardware = load(str(REPO / "configs" / "hardware" / "h100_128g.json"))
+    configs = ["--config", str(REPO / "configs" / "quickstart.yaml"), "--config", str(REPO / "configs" / "llama_8b_offload.yaml")]
+    plain = estimate_step(*parse(configs, hardware), hardware)
+    converted = estimate_step(*parse([*configs, "--model.float8", "tensorwise"], hardware), hardware)
+    assert converted["model_flops"] == plain["model_flops"] and converted["mfu_peak_tflops"] == plain["mfu_peak_tflops"]
+    assert converted["times"]["compute_s"] < 0.6 * plain["times"]["compute_s"]  # most of the FLOPs at twice the rate
+    assert converted["mfu"] > plain["mfu"]
