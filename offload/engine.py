@@ -246,6 +246,7 @@ class SlideEngine:
     def finish_step(self, adam: CpuAdam, warming_up: bool = False) -> OffloadStep:
         """Wait for every CPU update of this step (starting the kept ones first), or with ``delay_updates`` for the last
         step's, then queue this step's (and, ``warming_up``, apply them before the next step); and account for it."""
+        self.gradients.send_leftover_sums(update_now=not self.schedule.defer)
         waited = min([time.perf_counter(), *(start for start, _ in adam.wait_intervals)])  # the host's step ended
         adam.wait()  # the gradients of this step have all arrived (and were applied, without clipping or delay)
         if not self.schedule.delay:

@@ -218,6 +218,12 @@ class GradientPipeline:
             kept.add_(values)
         return False
 
+    def send_leftover_sums(self, update_now: bool) -> None:
+        """At the optimizer step: send the device's sums that no last micro-batch sent (a part the step's last backward
+        did not reach, or a last micro-batch with no backward), as that micro-batch would have (with zeros of its own)."""
+        for unit, part in sorted(self.accumulated):
+            self.reduce_and_offload(unit, part, [None] * len(self.parts[unit][part].places), update_now, last=True)
+
     def _on_host(self, unit: int, start: int, stop: int, incoming: torch.Tensor, copied: Event, update_now: bool) -> None:
         """Worker thread: rows ``[start, stop)`` of ``unit``'s shard are (being) copied into ``incoming``; reduce them here
         if needed, apply them (or, delayed, hold them for the next step's update).
@@ -398,8 +404,12 @@ class GradientPipeline:
 
     def apply_delayed(self) -> None:
         """Finish the delayed updates and rewrite every stale staging row now (before a checkpoint, a validation or
-        the end of training: the next read of the weights sees the update)."""
+        the end of training: the next read of the weights sees the update). Between the micro-batches of a step (a
+        device sum is waiting) the rows stay as they are, so that the step's other micro-batches compute with the
+        weights its first did; the master and moments, which a checkpoint saves, are updated."""
         self.adam.wait()
+        if self.accumulated:
+            return
         for unit in sorted(self.stale):
             self.host.write_staging(unit)
         self.stale.clear()

@@ -419,7 +419,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
         if self.engine is None or self.adam is None or not self.delayed_update:
             return
         self.engine.gradients.apply_delayed()
-        self.engine.window.root_stale = True
+        if not self.engine.gradients.accumulated:  # mid-step the rows are kept (apply_delayed), the root as loaded
+            self.engine.window.root_stale = True
         self._staging_barrier()
 
     def on_validation_start(self) -> None:
@@ -477,6 +478,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
         return checkpoints.load(path / _METADATA_FILENAME)
 
     def teardown(self) -> None:
+        if self.engine is not None:  # a run stopped between micro-batches: a later fit starts with no sum
+            self.engine.gradients.accumulated.clear()
         if self.adam is not None:
             self.adam.close()
             self.adam = None

@@ -72,3 +72,34 @@ def test_a_delayed_update_accumulating_on_the_host_is_refused_before_launch_nami
     plan = replace(plan, accumulate_on="device")
     plan.check_knobs()
     assert plan.schedule.accumulate_on_device and not plan.schedule.keep_gradients and plan.host_accumulation == 1
+
+
+def test_a_sum_no_last_micro_batch_sent_goes_to_the_host_at_the_optimizer_step_and_none_is_left_for_the_next():
+    """A part the step's last backward did not reach keeps its sum on the device until the optimizer step sends it,
+    as the last micro-batch would have: the update equals the one from the sum sent in the last micro-batch."""
+    import torch
+
+    from offload.schedule import UpdateSchedule
+    from tests.test_offload_speculative import pipeline_of, random_gradients, snapshot
+
+    schedule = UpdateSchedule.of(False, False, 2, "warn", accumulate_on="device")
+    assert schedule.accumulate_on_device and not schedule.keep_gradients
+    results = []
+    for reached in (True, False):
+        pipeline, params = pipeline_of(schedule, slots=8)
+        gradients = random_gradients(params, torch.Generator().manual_seed(1), 1.0)
+        for unit in (1, 0):  # the first micro-batch: every part adds to the device's sum
+            for part, members in enumerate(pipeline.parts[unit]):
+                pipeline.reduce_and_offload(unit, part, [gradients[unit][i] for i in members.places], False, last=False)
+        zeros = [[torch.zeros_like(g) for g in unit] for unit in gradients]
+        for unit in ((1, 0) if reached else (1,)):  # the last micro-batch: unit 0 gets no gradient when not reached
+            for part, members in enumerate(pipeline.parts[unit]):
+                pipeline.reduce_and_offload(unit, part, [zeros[unit][i] for i in members.places], True, last=True)
+        assert bool(pipeline.accumulated) is not reached
+        pipeline.send_leftover_sums(update_now=True)
+        pipeline.adam.wait()
+        assert not pipeline.accumulated
+        results.append(snapshot(pipeline))
+        pipeline.adam.close()
+    for sent_last, sent_at_step in zip(*results):
+        assert torch.equal(sent_last, sent_at_step)

@@ -200,7 +200,7 @@ class EstimatedTrials:
         return trial
 
 
-def test_the_default_search_for_the_8b_on_an_h100_reaches_the_shipped_configs_knobs():
+def test_the_default_search_for_the_8b_on_an_h100_reaches_the_shipped_knobs_and_the_activation_plan():
     hardware = load(str(REPO / "configs" / "hardware" / "h100_128g.json"))
     shipped_trainer, _, shipped_data = parse(CONFIGS, hardware)
     shipped = default_candidate(shipped_trainer, shipped_data)
