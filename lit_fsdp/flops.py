@@ -115,6 +115,13 @@ def flops_per_token(config: PretrainedConfig, seq_len: int, trained: int | None 
     return 4 * weights + 6 * trained + 2 * trained_matrices + attention
 
 
+def recomputed_blocks(layers: int, checkpoint_every: int | Sequence[int]) -> list[int]:
+    """The blocks recomputed: every ``checkpoint_every``-th (0: none) of ``layers``, or those it lists."""
+    if isinstance(checkpoint_every, int):
+        return list(range(layers))[::checkpoint_every] if checkpoint_every > 0 else []
+    return list(checkpoint_every)
+
+
 def recompute_flops_per_token(config: PretrainedConfig, seq_len: int, checkpoint_every: int | Sequence[int],
                               whole_block: bool = False) -> int:
     """FLOPs per token that activation checkpointing adds: the forward of every ``checkpoint_every``-th block again
@@ -126,20 +133,19 @@ def recompute_flops_per_token(config: PretrainedConfig, seq_len: int, checkpoint
     block's forward again, that matmul included.
     """
     shape = matmul_shape(config)
-    keys = shape.keys(seq_len)
-    if isinstance(checkpoint_every, int):
-        keys = keys[::checkpoint_every] if checkpoint_every > 0 else []
-    else:
-        keys = [keys[block] for block in checkpoint_every]
+    all_keys = shape.keys(seq_len)
+    keys = [all_keys[block] for block in recomputed_blocks(shape.layers, checkpoint_every)]
     weights = shape.block_weights - (0 if whole_block else shape.last_weights)
     return len(keys) * 2 * weights + 4 * shape.attention_width * sum(keys)
 
 
-def block_matmul_flops_per_token(config: PretrainedConfig, recomputed: int = 0, whole_block: bool = False,
-                                 frozen: bool = False) -> int:
+def block_matmul_flops_per_token(config: PretrainedConfig, checkpoint_every: int | Sequence[int] = 0,
+                                 whole_block: bool = False, frozen: bool = False) -> int:
     """FLOPs per token of the blocks' weight matrices alone (what ``--model.float8`` runs in float8): ``6n`` per weight
-    (``4n`` where the base is frozen: LoRA), and for each of ``recomputed`` blocks its forward again (its last matrix
-    only where ``whole_block``, as in ``recompute_flops_per_token``). Attention's products and the head are not in it."""
+    (``4n`` where the base is frozen: LoRA), and each recomputed block's forward again (``recomputed_blocks``; its
+    last matrix only where ``whole_block``, as in ``recompute_flops_per_token``). Attention's products and the head
+    are not in it."""
     shape = matmul_shape(config)
     again = shape.block_weights - (0 if whole_block else shape.last_weights)
+    recomputed = len(recomputed_blocks(shape.layers, checkpoint_every))
     return (4 if frozen else 6) * shape.layers * shape.block_weights + 2 * again * recomputed

@@ -207,11 +207,12 @@ class GradientPipeline:
         replace them by the whole sum (rounded once to their dtype). Whether ``values`` go to the host now."""
         if not self.schedule.accumulate_on_device:
             return True
-        kept = self.accumulated.pop(key, None) if last else self.accumulated.get(key)
         if last:
+            kept = self.accumulated.pop(key, None)
             if kept is not None:
                 values.copy_(kept.add_(values))
             return True
+        kept = self.accumulated.get(key)
         if kept is None:
             self.accumulated[key] = values.to(torch.float32, copy=True)
         else:

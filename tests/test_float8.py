@@ -157,7 +157,8 @@ def test_estimate_runs_the_blocks_matrices_at_the_fp8_rate_and_the_rest_at_the_c
     blocks = shape.layers * shape.block_weights
     assert block_matmul_flops_per_token(config) == 6 * blocks
     assert block_matmul_flops_per_token(config, frozen=True) == 4 * blocks
-    assert block_matmul_flops_per_token(config, 32, whole_block=True) == 6 * blocks + 2 * 32 * shape.block_weights
+    assert block_matmul_flops_per_token(config, 1, whole_block=True) == 6 * blocks + 2 * 32 * shape.block_weights
+    assert block_matmul_flops_per_token(config, [0, 5], whole_block=True) == 6 * blocks + 2 * 2 * shape.block_weights
     # the head and attention stay in bfloat16: at 2,048 tokens they are 11% of the 8B's training FLOPs
     assert 0.08 < 1 - 6 * blocks / flops_per_token(config, 2048) < 0.14
     assert float8_peak(989.5, 1979.0, 100.0, 50.0) == pytest.approx(100 / (50 / 989.5 + 50 / 1979.0))

@@ -292,8 +292,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
                                                              whole_block=activation_plan is not None)
     peak = hardware.peak_for(compute)
     if (module.hparams.get("float8") or "off") != "off":  # the blocks' linear layers at the fp8 rate
-        recomputed = len(recompute) if not isinstance(recompute, int) else len(range(0, config.num_hidden_layers, recompute)) if recompute else 0
-        in_float8 = tokens * block_matmul_flops_per_token(config, recomputed, activation_plan is not None, bool(lora))
+        in_float8 = tokens * block_matmul_flops_per_token(config, recompute, activation_plan is not None, bool(lora))
         peak = float8_peak(peak, hardware.peak_tflops.get("fp8"), flops, in_float8)
     network = {name: traffic[name] for name in ("all_gather", "reduce_scatter", "all_reduce")}
     # a shard group inside one node gathers and reduce-scatters over its fast links; replicas on several nodes
