@@ -33,6 +33,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import gpu_fit
 from gpu_fit import HOST_MEMORY_VARIABLE, ROOT, WARMUP_STEPS, WARMUP_VARIABLE, Record
 from gpu_probe import versions
 from gpu_report import bring_back, runs, runs_table, steps_table
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "error": f"{needed['step']} did not pass ({needed['status']})"})
                 continue
             if args.device == "cpu":
+                gpu_fit.IN_PROCESS = True
                 records.append(run_in_process(name, args.device, work, log))
             else:
                 records.append(run_step(name, min(STEPS[name].deadline, left), args.device, work, log))

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -124,6 +125,11 @@ def write_estimate(name: str, work: Path, fit_args: list[str]) -> dict[str, Any]
             "fits": figures["fits"]}
 
 
+#: The CPU mode (``gpu_check.py --device cpu``) runs every fit in the runner's process, one after another: the
+#: libraries a fit imports are imported once, and a fit that fails raises where it failed.
+IN_PROCESS = False
+
+
 def fit(name: str, work: Path, configs: list[str], record: Record, steps: int, min_free_gib: float = 4.0,
         checkpoints: bool = False, ckpt_path: str | None = None, folder: Path | None = None,
         measure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -136,58 +142,123 @@ def fit(name: str, work: Path, configs: list[str], record: Record, steps: int, m
     ``min_free_gib``). Returns its record: results.jsonl's line, per-step losses and its ``figures``."""
     folder = folder or work / name
     warmup = warmup_steps() if measure is not None else 0
-    trainer = {
-        "max_steps": warmup + steps, "limit_val_batches": 0, "enable_checkpointing": checkpoints,
-        "enable_progress_bar": False, "log_every_n_steps": 1, "default_root_dir": str(folder),
-        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                   "init_args": {"save_dir": str(folder), "name": "csv", "flush_logs_every_n_steps": 1}},
-        **({"callbacks": measure} if measure is not None else {}),
-    }
-    override = write_yaml(work / f"{name}.yaml", {"trainer": trainer})
-    fit_args = [*[a for c in configs for a in ("--config", c)], "--config", str(override)]
+    fit_args = fit_arguments(name, work, configs, steps, checkpoints, folder, measure)
     run: dict[str, Any] = {"rc": None, "losses": [], "estimate": write_estimate(name, work, fit_args)}
     if measure is not None:
         run["warmup_steps_left_out"] = warmup
     record.put(**{name: run})
-    argv = [sys.executable, "-m", "lit_fsdp", "fit", *fit_args] + (["--ckpt_path", ckpt_path] if ckpt_path else [])
-    print("$", " ".join(argv), flush=True)
-    begin = time.perf_counter()
-    child = subprocess.Popen(argv, cwd=ROOT, stdout=sys.stdout, stderr=subprocess.STDOUT, start_new_session=True,
-                             env=environment())
-    first_step_at = steady_from = None
-    while child.poll() is None:
-        try:  # every 2 s, or at once when it ends
-            child.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            pass
-        losses = logged_losses(folder)
-        now = time.perf_counter() - begin
-        if losses and first_step_at is None:
-            first_step_at = now
-        if steady_from is None and len(losses) >= max(warmup, 1):  # the steps/s below leave the warm-up out too
-            steady_from = (now, len(losses))
-        run.update(wall_s=round(now, 1), steps_done=len(losses), first_step_s=first_step_at and round(first_step_at, 1),
-                   min_mem_available_gib=min(run.get("min_mem_available_gib", 1e9), meminfo()["MemAvailable_gib"]))
-        if steady_from is not None and len(losses) > steady_from[1]:
-            run["steps_per_s"] = round((len(losses) - steady_from[1]) / max(now - steady_from[0], 1e-9), 3)
-        record.put(**{name: run})
-        if run["min_mem_available_gib"] < min_free_gib:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            run["stopped"] = f"watchdog: MemAvailable {run['min_mem_available_gib']} GiB < {min_free_gib}"
-            break
+    argv = ["fit", *fit_args] + (["--ckpt_path", ckpt_path] if ckpt_path else [])
+    progress = Progress(name, folder, run, record, warmup)
+    run["rc"] = (fit_here if IN_PROCESS else fit_in_child)(argv, progress, min_free_gib)
     results, throughput = folder / "results.jsonl", folder / "throughput.json"
     losses = logged_losses(folder)
-    run.update(rc=child.returncode, wall_s=round(time.perf_counter() - begin, 1), steps_done=len(losses),
+    run.update(wall_s=round(time.perf_counter() - progress.begin, 1), steps_done=len(losses),
                result=json.loads(results.read_text().splitlines()[-1]) if results.is_file() else {},
                losses=[losses[k] for k in sorted(losses)],
                step_times_ms=json.loads(throughput.read_text()).get("step_times_ms") if throughput.is_file() else None)
     if measure is not None:
         run["figures"] = figures(run)
     record.put(**{name: run})
-    if child.returncode != 0:
-        raise RuntimeError(f"{name}: fit exited {child.returncode}" + (f" ({run['stopped']})" if "stopped" in run else ""))
+    if run["rc"] != 0:
+        raise RuntimeError(f"{name}: fit exited {run['rc']}" + (f" ({run['stopped']})" if "stopped" in run else ""))
     return run
+
+
+def fit_arguments(name: str, work: Path, configs: list[str], steps: int, checkpoints: bool = False,
+                  folder: Path | None = None, measure: list[dict[str, Any]] | None = None) -> list[str]:
+    """``fit``'s ``--config`` arguments for a run: ``configs``, then ``<work>/<name>.yaml`` with its trainer settings
+    (``--warmup-steps`` more steps where it is measured)."""
+    folder = folder or work / name
+    trainer = {
+        "max_steps": (warmup_steps() if measure is not None else 0) + steps, "limit_val_batches": 0,
+        "enable_checkpointing": checkpoints, "enable_progress_bar": False, "log_every_n_steps": 1,
+        "default_root_dir": str(folder),
+        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                   "init_args": {"save_dir": str(folder), "name": "csv", "flush_logs_every_n_steps": 1}},
+        **({"callbacks": measure} if measure is not None else {}),
+    }
+    override = write_yaml(work / f"{name}.yaml", {"trainer": trainer})
+    return [*[a for c in configs for a in ("--config", c)], "--config", str(override)]
+
+
+class Progress:
+    """A running fit's progress in its record: set-up time, steps done, steps/s after the warm-up, lowest
+    MemAvailable; ``look()`` reads the CSV log and returns whether the host is still above the watchdog's floor."""
+
+    def __init__(self, name: str, folder: Path, run: dict[str, Any], record: Record, warmup: int):
+        self.name, self.folder, self.run, self.record, self.warmup = name, folder, run, record, warmup
+        self.begin = time.perf_counter()
+        self.first_step_at: float | None = None
+        self.steady_from: tuple[float, int] | None = None
+
+    def look(self, min_free_gib: float) -> bool:
+        run, losses = self.run, logged_losses(self.folder)
+        now = time.perf_counter() - self.begin
+        if losses and self.first_step_at is None:
+            self.first_step_at = now
+        if self.steady_from is None and len(losses) >= max(self.warmup, 1):  # the steps/s leave the warm-up out too
+            self.steady_from = (now, len(losses))
+        run.update(wall_s=round(now, 1), steps_done=len(losses),
+                   first_step_s=self.first_step_at and round(self.first_step_at, 1),
+                   min_mem_available_gib=min(run.get("min_mem_available_gib", 1e9), meminfo()["MemAvailable_gib"]))
+        if self.steady_from is not None and len(losses) > self.steady_from[1]:
+            run["steps_per_s"] = round((len(losses) - self.steady_from[1]) / max(now - self.steady_from[0], 1e-9), 3)
+        self.record.put(**{self.name: run})
+        return run["min_mem_available_gib"] >= min_free_gib
+
+
+def fit_in_child(argv: list[str], progress: Progress, min_free_gib: float) -> int:
+    """``python -m lit_fsdp *argv`` in a process group of its own, looked at every 2 s (at once when it ends) and
+    killed by the watchdog; its exit status."""
+    command = [sys.executable, "-m", "lit_fsdp", *argv]
+    print("$", " ".join(command), flush=True)
+    child = subprocess.Popen(command, cwd=ROOT, stdout=sys.stdout, stderr=subprocess.STDOUT, start_new_session=True,
+                             env=environment())
+    while child.poll() is None:
+        try:
+            child.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+        if not progress.look(min_free_gib):
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            progress.run["stopped"] = f"watchdog: MemAvailable {progress.run['min_mem_available_gib']} GiB < {min_free_gib}"
+            break
+    return child.returncode
+
+
+def fit_here(argv: list[str], progress: Progress, min_free_gib: float) -> int:
+    """``python -m lit_fsdp *argv`` in this process (the CPU mode), looked at every 2 s from a thread and once at the
+    end (the watchdog only records: a tiny CPU run cannot exhaust the host); its exit status, as the process's."""
+    from lit_fsdp.commands.main import main
+
+    print("$ python -m lit_fsdp", " ".join(argv), flush=True)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(2):
+            progress.look(min_free_gib)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    import torch.distributed as dist
+
+    status, environ = 0, dict(os.environ)
+    try:
+        main(argv)
+    except SystemExit as stop:  # a refusal: one line on stderr, exit status 2
+        status = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        done.set()
+        watcher.join()
+        progress.look(min_free_gib)
+        # as a process's end would: the next command starts without this fit's process group and variables (Lightning's
+        # MASTER_PORT among them, whose port the group holds)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    return status
 
 
 def figures(run: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ Adding a fit step is adding a row.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from gpu_fit import HOST_MEMORY_VARIABLE, ROOT, Record, command, fit, measuring, warmup_steps, write_yaml
+from gpu_fit import (HOST_MEMORY_VARIABLE, ROOT, Record, command, fit, fit_arguments, measuring, warmup_steps,
+                     write_estimate, write_yaml)
 from gpu_probe import probe
 
 #: A step that is a function: it runs in the step's process and writes what it measured into the record.
@@ -26,6 +28,11 @@ EIGHT_B = (QUICKSTART, "configs/llama_8b_offload.yaml")
 EIGHT_B_8K = (*EIGHT_B, "configs/llama_8b_offload_8k.yaml")
 QWEN_32B_LORA = (QUICKSTART, "configs/qwen_32b_lora.yaml")
 QWEN_14B_FULL = (QUICKSTART, "configs/qwen_14b_full.yaml")
+
+
+#: The CPU mode's fit runs by what they run (configs, overlay, steps, callbacks): a step whose CPU run equals an
+#: earlier step's takes that run's record under its own name, beside its own estimate.
+CPU_RUNS: dict[str, tuple[str, dict[str, Any]]] = {}
 
 
 @dataclass(frozen=True)
@@ -44,9 +51,17 @@ class Fit:
     result_keys: tuple[str, ...] = ()
 
     def run(self, name: str, record: Record, device: str, work: Path) -> None:
-        shape = write_yaml(work / f"{name}_shape.yaml", self.overlay(device))
-        done = fit(name, work, [*self.configs, str(shape)], record, self.steps if device == "cuda" else self.cpu_steps,
-                   measure=measuring(offload=self.offload, extra=self.callbacks()))
+        overlay, steps, measure = self.overlay(device), self.steps if device == "cuda" else self.cpu_steps, \
+            measuring(offload=self.offload, extra=self.callbacks())
+        shape = write_yaml(work / f"{name}_shape.yaml", overlay)
+        same = json.dumps([self.configs, overlay, steps, measure], sort_keys=True)
+        if device == "cpu" and same in CPU_RUNS:  # float8 without torchao: the run of the step it equals, again
+            arguments = fit_arguments(name, work, [*self.configs, str(shape)], steps, measure=measure)
+            done = {**CPU_RUNS[same][1], "estimate": write_estimate(name, work, arguments), "same_run_as": CPU_RUNS[same][0]}
+            record.put(**{name: done})
+        else:
+            done = fit(name, work, [*self.configs, str(shape)], record, steps, measure=measure)
+            CPU_RUNS[same] = (name, done)
         extra = {key: value for key, value in done["result"].items() if key.startswith(self.result_keys)}
         record.put(summary={**done["figures"], **extra})
 
@@ -379,7 +394,6 @@ def peers(record: Record, device: str, work: Path) -> None:
     tokens, SlideFSDP first, 2 steps measured, each call's deadline within PEERS_SECONDS; on the CPU, FSDP2's
     CPUOffloadPolicy alone: the step's code path (tests/test_bench_peers.py runs every peer's where deepspeed is
     installed)."""
-    import json
     import time
 
     from peers_table import PEERS, table

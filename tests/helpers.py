@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import functools
+import io
 import json
 import math
 import os
@@ -10,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +65,35 @@ def run_cli(*args: str, cwd: Path, check: bool = True, nodes: int = 1) -> subpro
     if check and result.returncode != 0:
         raise AssertionError(f"lit_fsdp {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
+
+
+def cli_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m lit_fsdp *args`` run in this process from ``cwd``, for what stops before training (a refusal, a
+    listing): its exit status and what it printed, as ``run_cli(..., check=False)`` gives them, without a process's
+    start-up (10 to 20 s on 2 cores). A command that reaches training fails the test: that needs ``run_cli``, whose
+    launcher starts the ranks."""
+    from lightning.pytorch import Trainer
+
+    from lit_fsdp.commands.main import main
+
+    def stop(method: Any) -> Any:  # the method's signature kept: LightningCLI builds its subcommand's options from it
+        @functools.wraps(method)
+        def past_the_preflight(*_: Any, **__: Any) -> None:
+            raise AssertionError(f"lit_fsdp {' '.join(args)} went past its preflight: run it with run_cli")
+        return past_the_preflight
+
+    out, err, status, here = io.StringIO(), io.StringIO(), 0, os.getcwd()
+    os.chdir(cwd)
+    try:
+        with (mock.patch.object(Trainer, "fit", stop(Trainer.fit)), mock.patch.object(Trainer, "validate", stop(Trainer.validate)),
+              contextlib.redirect_stdout(out), contextlib.redirect_stderr(err)):
+            main(list(args))
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+    finally:
+        os.chdir(here)
+    assert not torch.distributed.is_initialized(), f"lit_fsdp {' '.join(args)} started a process group in this process"
+    return subprocess.CompletedProcess(["lit_fsdp", *args], status, out.getvalue(), err.getvalue())
 
 
 def fit_arguments(

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,13 +128,23 @@ def test_a_peer_past_its_deadline_is_killed_with_every_rank_torchrun_started(tmp
     record = bench_peers.run_peer("fsdp2_cpu_offload", Shape.of("llama-tiny", 2), args, 20.0, (None, None))
     assert (record["status"], record["error"]) == ("timeout", "timed out after 4 s")
     spec = str(args.work / "llama-tiny-2-fsdp2_cpu_offload" / "spec.json")
+    alive = processes_running(spec)
+    deadline = time.monotonic() + 30  # SIGKILL is delivered at once, but a process is gone only when the kernel is done
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = processes_running(spec)
+    assert not alive, f"processes of the killed run still alive 30 s after the kill: {alive}"
+
+
+def processes_running(argument: str) -> list[str]:
+    """The processes whose command line holds ``argument``, zombies left out (their command line reads empty)."""
     alive = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            alive += [cmdline.parent.name] if spec in cmdline.read_text() else []
+            alive += [cmdline.parent.name] if argument in cmdline.read_text() else []
         except OSError:  # a process that ended while being read
             pass
-    assert not alive, f"processes of the killed run still alive: {alive}"
+    return alive
 
 
 def test_slide_fsdp_runs_the_shipped_8b_config_with_the_peers_adamw_and_shape(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import torch
 from lit_fsdp import checkpoints
 from tests.corpus import articles, write_lines
 from tests.distributed import fit_in_process, run
-from tests.helpers import REPO, checkpoint_every, fit_arguments, read_metrics, run_cli
+from tests.helpers import REPO, checkpoint_every, cli_in_process, fit_arguments, read_metrics
 
 
 class Touch:
@@ -69,7 +69,7 @@ def test_a_checkpoint_that_runs_code_when_unpickled_is_refused_in_one_line(tmp_p
     folder = tmp_path / "run" / "checkpoints"
     folder.mkdir(parents=True)
     checkpoint = hostile(folder / "last.ckpt", marker, layout)
-    result = run_cli(*_commands(tmp_path, checkpoint)[command], cwd=REPO, check=False)
+    result = cli_in_process(*_commands(tmp_path, checkpoint)[command], cwd=REPO)
     errors = [line for line in result.stderr.splitlines() if line.startswith("lit_fsdp: error:")]
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert len(errors) == 1 and str(checkpoint) in errors[0], result.stderr[-3000:]

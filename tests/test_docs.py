@@ -188,6 +188,13 @@ def test_the_readme_links_every_docs_page():
     assert not missing, f"README.md does not link {missing}"
 
 
+def test_the_docs_index_lists_every_docs_page_once():
+    index = (REPO / "docs" / "README.md").read_text()
+    listed = re.findall(r"^- \[([\w.-]+\.md)\]\(\1\): \S", index, re.M)
+    pages = sorted(page.name for page in (REPO / "docs").glob("*.md") if page.name != "README.md")
+    assert sorted(listed) == pages, f"docs/README.md lists {sorted(listed)}; docs/ holds {pages}"
+
+
 def test_every_docs_page_opens_with_a_title_and_a_paragraph_saying_what_it_covers():
     for page in sorted((REPO / "docs").glob("*.md")):
         blocks = [block.strip() for block in page.read_text().split("\n\n") if block.strip()]
@@ -199,9 +206,13 @@ def test_the_readme_shows_the_setup_and_test_command_ci_runs():
     """``.ci/run`` runs "the README's test command": the README must show the same install and pytest lines."""
     readme = README.read_text()
     ci = (REPO / ".ci" / "run").read_text()
-    torch_pin = re.search(r"pip install -q (torch==\S+)\n", ci).group(1)
-    pytest_line = re.search(r"^(python -m pytest .*)$", ci, re.M).group(1)
-    assert f"pip install {torch_pin} && pip install -e \".[test]\"" in readme
+    torch_pin = re.search(r"(?:pip install -q|ensure_env main python3) (torch==[^\s\"]+)", ci).group(1)
+    # CI's main suite is the README's command with its slowest items listed (--durations)
+    pytest_line = "python -m " + re.search(r'"\$MAIN/bin/python" -m (pytest .*?)(?: --durations=\d+)?$', ci, re.M).group(1)
+    # the README's pip reads PyTorch's CPU index (the public index's torch is the CUDA build); CI's pip, with a local
+    # wheel, installs the same pin
+    assert re.search(rf"pip install {re.escape(torch_pin)}( --index-url https://download\.pytorch\.org/whl/cpu)? "
+                     r"&& pip install -e \"\.\[test\]\"", readme)
     assert pytest_line in readme
 
 

@@ -28,7 +28,8 @@ from lit_fsdp.errors import OneLineError, RunError
 from lit_fsdp.model import CausalLM
 from lit_fsdp.presets import build_config
 from tests.distributed import in_process_cli, run
-from tests.helpers import REPO, CPUStrategy, batch, fit_arguments, loss_of, read_metrics, run_cli, sharded_model
+from tests.helpers import (REPO, CPUStrategy, batch, cli_in_process, fit_arguments, loss_of, read_metrics, run_cli,
+                           sharded_model)
 from tests.probes import SaveLogits
 
 RANK = 4
@@ -75,8 +76,8 @@ def test_an_unknown_target_is_refused_in_one_line_naming_the_models_linear_modul
     with pytest.raises(OneLineError) as error:
         CausalLM(preset="gpt2-tiny", lora={"targets": ["q_proj"]})
     assert "\n" not in str(error.value) and "q_proj" in str(error.value) and "'c_attn', 'c_fc', 'c_proj'" in str(error.value)
-    result = run_cli("fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--model.lora", "{targets: [q_proj]}",
-                     cwd=tmp_path, check=False)
+    result = cli_in_process("fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--model.lora",
+                            "{targets: [q_proj]}", cwd=tmp_path)
     errors = [line for line in result.stderr.splitlines() if line.startswith("lit_fsdp: error:")]
     assert result.returncode == 2 and len(errors) == 1 and "q_proj" in errors[0] and "c_attn" in errors[0], result.stderr[-2000:]
 
