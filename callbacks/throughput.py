@@ -59,13 +59,16 @@ class Throughput(pl.Callback):
     def __init__(self, warmup_steps: int = 5, peak_tflops: float | None = None):
         """
         Args:
-            warmup_steps: Optimizer steps left out of the statistics (compilation, allocator and cache warm-up).
+            warmup_steps: Optimizer steps left out of the statistics (compilation, allocator and cache warm-up);
+                more where the strategy's first steps run unlike the rest (``StrategyReport.unsteady_steps``: SlideFSDP's
+                synchronous updates before its delayed ones).
             peak_tflops: Peak TFLOPS of one device for MFU, instead of the built-in GPU table (needed on CPU
                 or an unlisted GPU).
         """
         if peak_tflops is not None and peak_tflops <= 0:
             raise ValueError(f"Throughput peak_tflops={peak_tflops} must be > 0 (TFLOPS of one device), or null")
         self.warmup_steps = warmup_steps
+        self.unsteady_steps = 0  # the strategy's first steps unlike the rest still to come, at train start
         self.peak_tflops = peak_tflops
         self.step_seconds: list[float] = []
         self.tokens_per_step = 0
@@ -88,7 +91,9 @@ class Throughput(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.world_size = trainer.world_size
-        self.recompute_flops = strategy_report(trainer).recompute_flops
+        report = strategy_report(trainer)
+        self.recompute_flops = report.recompute_flops
+        self.unsteady_steps = max(0, report.unsteady_steps() - trainer.global_step)  # a resumed run may be past them
         config = getattr(getattr(pl_module, "model", None), "config", None)
         self.model_config, problems = None, []
         if not isinstance(config, PretrainedConfig):
@@ -117,8 +122,8 @@ class Throughput(pl.Callback):
             self.peak = peak_tflops(name, dtype)
             if self.peak is None:
                 problems.append(
-                    f"no peak for {name!r} in {matmul_format(dtype)}; set the callback's init_args.peak_tflops "
-                    "(TFLOPS of one device)"
+                    f"no peak for {name!r} in {matmul_format(dtype)}; give one device's peak TFLOPS with "
+                    "--peak_tflops on fit's command line (or the callback's init_args.peak_tflops)"
                 )
         if problems:
             rank_zero_info(f"Throughput: MFU is null: {'; '.join(problems)}")
@@ -143,10 +148,15 @@ class Throughput(pl.Callback):
         recent = self.step_seconds[-RUNNING_STEPS:]
         pl_module.log(RUNNING_KEY, self.tokens_per_step * len(recent) / sum(recent), prog_bar=True)
 
+    @property
+    def left_out(self) -> int:
+        """The first steps the statistics leave out: the warm-up, or the strategy's unsteady steps if more."""
+        return max(self.warmup_steps, self.unsteady_steps)
+
     def summary(self) -> dict[str, Any]:
         """Statistics over the steps after warm-up (all steps if there are no more than the warm-up, and then
         ``warmup_steps_included`` is true)."""
-        steps = self.step_seconds[self.warmup_steps :] or self.step_seconds
+        steps = self.step_seconds[self.left_out :] or self.step_seconds
         if not steps:
             return {}
         ms = [s * 1000 for s in steps]
@@ -154,7 +164,7 @@ class Throughput(pl.Callback):
         summary = {
             "steps_measured": len(steps),
             # a run no longer than the warm-up is measured over every step, warm-up included: the record says so
-            "warmup_steps_included": len(self.step_seconds) <= self.warmup_steps,
+            "warmup_steps_included": len(self.step_seconds) <= self.left_out,
             "step_time_ms_mean": statistics.fmean(ms),
             "step_time_ms_p10": percentile(ms, 10),
             "step_time_ms_p50": percentile(ms, 50),
@@ -185,5 +195,5 @@ class Throughput(pl.Callback):
         log_metrics(trainer, {f"perf/{key}": float(value) if isinstance(value, bool) else value
                               for key, value in summary.items() if value is not None and not isinstance(value, str)})
         # every measured step's time beside the statistics: the run's own record of its spread
-        measured = self.step_seconds[self.warmup_steps :] or self.step_seconds
+        measured = self.step_seconds[self.left_out :] or self.step_seconds
         write_json(trainer, "throughput.json", {**summary, "step_times_ms": [s * 1000 for s in measured]})

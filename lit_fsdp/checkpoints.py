@@ -8,7 +8,8 @@ is stored in the file (``checkpoint["lit_fsdp_manifest"]``) and the rename of th
 what makes it complete. A checkpoint without a complete manifest is never loaded.
 
 ``--ckpt_path last`` takes the newest complete checkpoint in the run's checkpoint folder (``last`` or
-any step checkpoint, or one whose save was killed after its manifest and before its rename).
+any step checkpoint, or one whose save was killed after its manifest and before its rename): the one written last,
+whatever its step. A run that starts afresh in a folder holding checkpoints says so in its first lines.
 
 ``check_space`` refuses, before launch, checkpoints whose folder's disk cannot hold as many as exist at once.
 
@@ -241,16 +242,22 @@ def candidates(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name.endswith(".ckpt") or ".ckpt.partial-" in p.name)
 
 
+def written_at(path: Path) -> float:
+    """When the checkpoint at ``path`` was finished: its manifest's modification time for a folder (written last;
+    renaming the folder does not change it), the file's for a file."""
+    manifest = path / MANIFEST
+    return (manifest if manifest.is_file() else path).stat().st_mtime
+
+
 def newest_complete(folder: Path) -> tuple[Found | None, list[Found]]:
-    """The complete checkpoint with the highest step (then the newest), and the broken ones newer than it."""
+    """The complete checkpoint written last (not the highest step: a later run in the same folder may have stopped
+    at a lower one, beside the earlier run's), and the broken ones newer than it."""
     found = [inspect(path) for path in candidates(folder)]
-    complete = sorted(
-        (f for f in found if f.manifest is not None),
-        key=lambda f: (f.manifest.get("step", -1), f.path.stat().st_mtime), reverse=True,
-    )
+    complete = sorted((f for f in found if f.manifest is not None),
+                      key=lambda f: (written_at(f.path), f.manifest.get("step", -1)), reverse=True)
     best = complete[0] if complete else None
-    newer_than = best.path.stat().st_mtime if best else float("-inf")
-    broken = [f for f in found if f.manifest is None and not f.path.name.startswith(".") and f.path.stat().st_mtime >= newer_than]
+    newer_than = written_at(best.path) if best else float("-inf")
+    broken = [f for f in found if f.manifest is None and not f.path.name.startswith(".") and written_at(f.path) >= newer_than]
     return best, broken
 
 
@@ -283,6 +290,17 @@ def resolve(ckpt_path: str | None, folder: Path) -> tuple[str | None, dict[str, 
         raise CheckpointError(f"checkpoint {ckpt_path} cannot be resumed: {found.problem}; pass another one, "
                               f"or --ckpt_path last for the newest complete checkpoint of the run")
     return ckpt_path, found.manifest, []
+
+
+def earlier_run(folder: Path) -> list[str]:
+    """For a fit that starts from step 0 (no ``--ckpt_path``) with its checkpoints in ``folder``: a line if the folder
+    holds another run's complete checkpoints (its own go beside them, Lightning adding ``-v1`` to a name taken)."""
+    best, _ = newest_complete(folder)
+    if best is None:
+        return []
+    return [f"lit_fsdp: {folder} holds an earlier run's checkpoints (the newest, {best.path.name}, at step "
+            f"{best.manifest.get('step')}); this run starts from step 0 and saves beside them, and --ckpt_path last "
+            "takes whichever was written last"]
 
 
 def check_writable(folder: Path, flag: str) -> None:

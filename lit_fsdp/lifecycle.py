@@ -89,12 +89,16 @@ class CausalLMStrategy(NonFiniteGuard, AtomicCheckpoints, ModelParallelStrategy,
     """
 
     strategy_name = ""
+    #: ``reduce_dtype``'s value where none is given (null). The signatures default to null, not to this: the CLI keeps
+    #: an argument's value when a config or flag changes the strategy's class_path, and a value FSDP2Strategy filled in
+    #: would then override SlideFSDPStrategy's own default.
+    default_reduce_dtype: DType = "float32"
 
     def __init__(
         self,
         block_class: str | None,
         param_dtype: DType,
-        reduce_dtype: DType,
+        reduce_dtype: DType | None,
         activation_checkpointing: int,
         on_nonfinite: OnNonFinite,
         save_distributed_checkpoint: bool,
@@ -112,7 +116,7 @@ class CausalLMStrategy(NonFiniteGuard, AtomicCheckpoints, ModelParallelStrategy,
             raise ValueError(f"activation_checkpointing must be >= 0 (0 off, k every k-th block), got {activation_checkpointing}")
         self.block_class = block_class
         self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
+        self.reduce_dtype = self.default_reduce_dtype if reduce_dtype is None else reduce_dtype
         self.activation_checkpointing = activation_checkpointing
         self.on_nonfinite = on_nonfinite
 

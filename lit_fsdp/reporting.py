@@ -110,6 +110,11 @@ class StrategyReport(ABC):
         every = self.recomputed_blocks if self.recomputed_blocks is not None else self.activation_checkpointing
         return recompute_flops_per_token(config, seq_len, every, self.recomputes_whole_block)
 
+    def unsteady_steps(self) -> int:
+        """The first optimizer steps of training that run unlike the rest (SlideFSDP's synchronous updates before its
+        delayed ones): ``callbacks.Throughput`` leaves them out of its steady-state figures."""
+        return 0
+
     def compression_hook(self) -> CompressionReport | None:
         """The installed gradient compression (its counters and state), None where gradients go uncompressed."""
         return None

@@ -147,7 +147,7 @@ class FSDP2Strategy(CausalLMStrategy):
         block_class: str | None = None,
         blocks_per_group: int = 1,
         param_dtype: DType = "auto",
-        reduce_dtype: DType = "float32",
+        reduce_dtype: DType | None = None,
         activation_checkpointing: int = 0,
         compile_blocks: bool = False,
         prefetch: int = 0,
@@ -171,7 +171,7 @@ class FSDP2Strategy(CausalLMStrategy):
             blocks_per_group: Consecutive blocks sharded as one FSDP unit (fewer, larger collectives).
             param_dtype: Dtype of parameters in forward and backward; ``auto`` is bfloat16 on GPUs that support it,
                 else float32. Master weights and optimizer state stay float32.
-            reduce_dtype: Dtype of gradient reduction; ``auto`` follows ``param_dtype``.
+            reduce_dtype: Dtype of gradient reduction; ``auto`` follows ``param_dtype``; null (default): float32.
             activation_checkpointing: Recompute activations of every k-th block in backward; 0 turns it off,
                 1 checkpoints every block.
             compile_blocks: ``torch.compile`` each block.

@@ -129,6 +129,7 @@ class ActivationStore:
             buffer = self.buffers.activation_buffer(block, hidden.numel(), hidden.dtype, self.pin).view(hidden.shape)
             self.host[block] = buffer
         self.offloaded[block] = self.engine.transfers.d2h(buffer, hidden.detach())
+        self.buffers.activation_copy(block, self.offloaded[block])
         self.kept[block] = buffer
 
     def prefetch(self, block: int) -> None:
@@ -136,10 +137,13 @@ class ActivationStore:
         if not self.offload or block not in self.kept or block in self.fetched:
             return
         transfers, source = self.engine.transfers, self.kept[block]
-        with transfers.on_h2d_stream(after=self.offloaded.pop(block)):  # after the forward's copy to the host
-            target = torch.empty(source.shape, dtype=source.dtype, device=transfers.device)
+        # allocated on the compute stream, which uses and frees it (``SavedOnHost.prefetch``)
+        target = torch.empty(source.shape, dtype=source.dtype, device=transfers.device)
+        with transfers.on_h2d_stream(after=self.offloaded.pop(block), after_compute=True):  # after the copy to the host
             transfers.h2d(target, source)
             ready = transfers.record()
+        transfers.read_by_h2d(target)
+        self.buffers.activation_copy(block, ready)
         self.fetched[block] = (target, ready)
 
     def fetch(self, block: int) -> torch.Tensor:
@@ -150,8 +154,6 @@ class ActivationStore:
         target, ready = self.fetched.pop(block)
         self.kept.pop(block)
         self.engine.transfers.wait(ready)
-        if self.engine.transfers.on_cuda:
-            target.record_stream(torch.cuda.current_stream(target.device))
         return target
 
     def clear(self) -> None:

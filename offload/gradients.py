@@ -14,7 +14,9 @@ Gradient accumulation on the device (``UpdateSchedule.accumulate_on_device``): a
 step reduces its gradients as the last one does and adds them, in float32, into a sum per gradient part kept on the
 device; the last micro-batch adds its own and sends the sum, rounded once to the reduce dtype, on the path above.
 The host sees one gradient a step, so every schedule (the speculative and the delayed update too) runs as without
-accumulation, and no fp32 copy is kept on the host.
+accumulation, and no fp32 copy is kept on the host. The sums are views of one flat buffer allocated with the pipeline,
+at placement: before the free memory the activation plan weighs is measured, and not carved out of the caching
+allocator in the middle of the first backward, among the freed activations.
 
 A delayed update (``UpdateSchedule.delay``, ZeRO-Offload's DPU) keeps each piece in its buffer (the reduce dtype,
 no fp32 copy) and, for clipping and the non-finite guard, adds its squared norm to the step's; at the optimizer step the step's
@@ -149,8 +151,19 @@ class GradientPipeline:
         self.squared_norm = 0.0  # of this step's gradient on this rank (``norms``)
         self.scale = 1.0  # clipping's coefficient for this step's delayed updates
         self.stale: set[int] = set()  # units whose master was updated and whose staging rows were not rewritten yet
-        self.accumulated: dict[tuple[int, int], torch.Tensor] = {}  # (unit, part): this step's float32 sum on the device
+        self.device_sums = self._device_sums()  # (unit, part): its float32 sum's place on the device
+        self.accumulated: dict[tuple[int, int], torch.Tensor] = {}  # (unit, part): this step's sum, once begun
         self.attach(adam)
+
+    def _device_sums(self) -> dict[tuple[int, int], torch.Tensor]:
+        """With accumulation on the device, each gradient part's float32 sum (its shard with ``gpu_reduce``, else the
+        whole gradient): views of one flat buffer (``SlidePlan.accumulator_bytes``); without, none."""
+        if not self.schedule.accumulate_on_device:
+            return {}
+        sizes = {(unit, index): part.layout.shard_numel * (1 if self.gpu_reduce else part.layout.shards)
+                 for unit, parts in enumerate(self.parts) for index, part in enumerate(parts)}
+        flat = torch.empty(sum(sizes.values()), dtype=torch.float32, device=self.transfers.device)
+        return dict(zip(sizes, flat.split(list(sizes.values()))))
 
     def attach(self, adam: CpuAdam | None) -> None:
         """Update with ``adam`` from now on; a speculative schedule's backup is allocated with it (at setup)."""
@@ -214,7 +227,7 @@ class GradientPipeline:
             return True
         kept = self.accumulated.get(key)
         if kept is None:
-            self.accumulated[key] = values.to(torch.float32, copy=True)
+            self.accumulated[key] = self.device_sums[key].copy_(values)
         else:
             kept.add_(values)
         return False

@@ -16,7 +16,9 @@ Per unit and rank:
   by the device's verdict on whether its part is finite; with gradient accumulation or clipping also one fp32 buffer
   per unit that holds the sum until the optimizer step (clipping needs every gradient before the first update).
 - **activations** (``activation_offload: cpu``): one buffer per checkpointed block for its input, made at the
-  first forward that needs it (the shape is known only then).
+  first forward that needs it (the shape is known only then); and one region per ``host`` block of the activation
+  plan, its saved tensors carved out of it (``offload.saved_on_host``). A region is closed (replaced by a larger one,
+  or at teardown) only after the last copy from or into it has run: the host may be ahead of the device.
 
 Every buffer is one exact-size allocation (``HostRegion``), closed by ``HostState.close``. Those that cross PCIe
 (staging, gradient ring, activations) are pinned in place on GPUs unless pinning is off or fails.
@@ -28,7 +30,7 @@ import ctypes
 import os
 import queue
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from compress.layout import ParamPlace, UnitLayout
 from offload.host_memory import FLAG_ELEMENTS, UnitSize, piece_capacity
+from offload.transfers import Event, Transfers
 
 SHM_DIR = Path("/dev/shm")
 
@@ -52,6 +55,7 @@ class HostRegion:
     def __init__(self, tensor: torch.Tensor, pin: bool):
         self.tensor = tensor
         self.pinned = register_host_memory(tensor, tensor.numel() * tensor.element_size()) if pin and tensor.numel() else False
+        self.last_copy: Event = None  # the event of the last copy queued from or into it (``HostState.activation_copy``)
 
     @classmethod
     def empty(cls, numel: int, dtype: torch.dtype, pin: bool) -> "HostRegion":
@@ -63,6 +67,9 @@ class HostRegion:
         return self.tensor.numel() * self.tensor.element_size()
 
     def close(self) -> None:
+        """Unpin, once the last copy noted (``last_copy``) has run: a copy still queued may read or write it."""
+        Transfers.synchronize(self.last_copy)
+        self.last_copy = None
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
@@ -255,7 +262,7 @@ class HostState:
         units = [UnitSize(layout.full_numel, layout.shard_numel) for layout in self.trained]
         self.piece_capacity = piece_capacity(units, incoming_full, layouts[0].shards)
         self.incoming = BufferRing(ring_size, self.piece_capacity + FLAG_ELEMENTS, reduce_dtype, pin)
-        self.activations: dict[int, HostRegion] = {}  # checkpointed block -> its input's region (``activation_buffer``)
+        self.activations: dict[Hashable, HostRegion] = {}  # ``activation_buffer``'s regions
 
     def staging_rows(self, unit: int) -> list[torch.Tensor]:
         """This rank's rows of each of ``unit``'s parameters in the staging copy (views, ``local_views`` order)."""
@@ -282,16 +289,24 @@ class HostState:
         for target, rows in zip(self.staging_targets(unit), self.trained[unit].local_views(self.master[unit])):
             target.copy_(rows)
 
-    def activation_buffer(self, block: int, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        """Host memory for checkpointed ``block``'s input (``activation_offload: cpu``): an exact-size region, made at
-        the first forward that needs it and again, the old one closed, only if its size or dtype changes. The old one's
-        last copy (the last backward's fetch) is done by then: the step waited for the gradient copies after it."""
-        region = self.activations.get(block)
+    def activation_buffer(self, key: Hashable, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """Host memory for activations: ``key`` a checkpointed block's input (``activation_offload: cpu``) or a ``host``
+        block's saved tensors (``offload.saved_on_host.region_key``). An exact-size region, made at the first forward
+        that needs it and again only if its size or dtype changes; the old one is closed once its last copy ran (with
+        accumulation on the device nothing else waits for the last micro-batch's fetch from it)."""
+        region = self.activations.get(key)
         if region is None or region.tensor.numel() != numel or region.tensor.dtype != dtype:
             if region is not None:
                 region.close()
-            region = self.activations[block] = HostRegion.empty(numel, dtype, pin)
+            region = self.activations[key] = HostRegion.empty(numel, dtype, pin)
         return region.tensor
+
+    def activation_copy(self, key: Hashable, copied: Event) -> None:
+        """A copy from or into ``key``'s activation region was queued and completes at ``copied``: closing the region
+        waits for it. A key without a region (a copy into pageable memory) is ignored."""
+        region = self.activations.get(key)
+        if region is not None:
+            region.last_copy = copied
 
     def parameter_count(self) -> int:
         return sum(place.numel for layout in self.layouts for place in layout.places)

@@ -279,12 +279,19 @@ def block_costs(plan: SlidePlan, config: Any, data: Any, units: Sequence[UnitSiz
                       device_free, max(0, host_free), link_bytes_per_s, plan.activation_offload == "cpu")
 
 
+def placed_host_buffers(host: Any) -> tuple[str, ...]:
+    """The buffers of ``offload.host_memory.host_buffers`` that ``host`` (``HostState``) holds in memory once placed:
+    the master and the staging copy (written by then, every rank's: the staging barrier), the kept gradients (zeroed),
+    and the gradient ring if pinned (registering it faults its pages in; else untouched until the first step)."""
+    return ("master", "staging", "kept_gradients", *(("gradient_ring",) if host.incoming.region.pinned else ()))
+
+
 def placed_costs(module: Any, plan: SlidePlan, window: Any, units: Sequence[UnitSize],
                  host_memory_gb: float | None) -> BlockCosts:
-    """``activation_plan: auto``'s costs, once the window and the root are on the device: its free memory less the
-    loss's and the micro-batches' gradient sum's (allocated later, in the first micro-batch), the host's less
-    SlideFSDP's buffers, the link's rate timed on a block's weights, a block's forward from its
-    FLOPs at ``COMPUTE_EFFICIENCY`` of the device's peak (on a CPU: nominal rates, for tests)."""
+    """``activation_plan: auto``'s costs, once the window, the root and the micro-batches' gradient sums are on the
+    device: its free memory less the loss's, the host's less SlideFSDP's buffers not yet in it (``host_memory_gb``: all
+    of them), the link's rate timed on a block's weights, a block's forward from its FLOPs at ``COMPUTE_EFFICIENCY`` of
+    the device's peak (on a CPU: nominal rates, for tests)."""
     from lit_fsdp.device_peaks import peak_tflops
     from lit_fsdp.loss import loss_bytes
     from offload.host_memory import with_runtime
@@ -302,7 +309,10 @@ def placed_costs(module: Any, plan: SlidePlan, window: Any, units: Sequence[Unit
     else:
         free, rate, peak = (available_host_bytes() or 0) // 4, 10e9, 2e11
     host, _ = host_memory_budget(host_memory_gb)
-    # MemAvailable now already lacks the buffers placed so far: counting them again errs on the safe side
-    host_left = (host or 0) - sum(with_runtime(plan.host_buffers(units), plan.run.processes_per_node).values())
-    device_left = int(free * DEVICE_SHARE) - loss - plan.accumulator_bytes(units)
+    to_come = with_runtime(plan.host_buffers(units), plan.run.processes_per_node)
+    if host_memory_gb is None:  # MemAvailable, read now, already lacks what is placed and written: not counted twice
+        for name in placed_host_buffers(window.host):
+            to_come.pop(name)
+    host_left = (host or 0) - sum(to_come.values())
+    device_left = int(free * DEVICE_SHARE) - loss  # the micro-batches' sums are allocated: not free any more
     return block_costs(plan, config, data, units, peak * COMPUTE_EFFICIENCY, device_left, host_left, rate)

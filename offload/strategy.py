@@ -53,6 +53,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
     """Layer-streaming CPU offload (SlideFSDP): master weights and AdamW on the host, a window of blocks on the device."""
 
     strategy_name = "slide_fsdp"
+    default_reduce_dtype = "auto"  # ``reduce_dtype: null``; see ``CausalLMStrategy.default_reduce_dtype``
     recomputes_whole_block = True  # offload.checkpointing runs a recomputed block's whole forward again
 
     def __init__(
@@ -62,7 +63,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         grad_sync: Literal["gpu_reduce", "cpu_reduce"] = "gpu_reduce",
         activation_offload: Literal["none", "cpu"] = "none",
         param_dtype: DType = "auto",
-        reduce_dtype: DType = "auto",
+        reduce_dtype: DType | None = None,
         activation_checkpointing: int = 0,
         activation_plan: ActivationPlanSpec = None,
         compile_blocks: bool = False,
@@ -96,8 +97,9 @@ class SlideFSDPStrategy(CausalLMStrategy):
                 forward and backward (needs activation_checkpointing >= 1).
             param_dtype: Dtype of the weights on the device and of the compute; ``auto`` is bfloat16 on GPUs that
                 support it, else float32. Master weights stay on the host (``master_dtype``; moments: ``optimizer_state_dtype``).
-            reduce_dtype: Dtype the gradients are reduced and copied to the host in; ``auto`` (default) follows
-                ``param_dtype``: bfloat16 on GPUs halves the device-to-host bytes, and the CPU update reads it as it is.
+            reduce_dtype: Dtype the gradients are reduced and copied to the host in; ``auto`` (the default, null)
+                follows ``param_dtype``: bfloat16 on GPUs halves the device-to-host bytes, and the CPU update reads it
+                as it is.
             activation_checkpointing: Recompute the activations of every k-th block in backward; 0 turns it off.
             activation_plan: Instead, the blocks whose activations stay on the device, wait in pinned host memory or
                 are recomputed, in block order: counts such as ``{host: 4, recompute: 20, keep: 8}``, or ``auto`` (the
@@ -310,6 +312,10 @@ class SlideFSDPStrategy(CausalLMStrategy):
         rank_zero_info(f"SlideFSDP: {self.host.describe(compute, shards, pin)}; device window {self.window} blocks; "
                        f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}; activations: "
                        f"{activations.describe()}")
+
+    def unsteady_steps(self) -> int:
+        """The delayed update's synchronous warm-up (``delayed_update_warmup``)."""
+        return self.delayed_update_warmup if self.delayed_update else 0
 
     def offload_report(self) -> SlideFSDPStrategy | None:
         """This strategy: it gives what ``lit_fsdp.reporting.OffloadReport`` declares, once its engine is built."""

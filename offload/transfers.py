@@ -180,8 +180,10 @@ class Transfers:
         self.clock = BackwardClock(self.on_cuda)  # the engine marks the backward, the gradient pipeline its waits
 
     @contextmanager
-    def on_h2d_stream(self, after: Event = None) -> Iterator[None]:
-        """Work queued inside runs on the host-to-device stream, after ``after`` (e.g. the last use of a buffer)."""
+    def on_h2d_stream(self, after: Event = None, after_compute: bool = False) -> Iterator[None]:
+        """Work queued inside runs on the host-to-device stream, after ``after`` (e.g. the last use of a buffer) and,
+        with ``after_compute``, after the compute queued so far (the copy writes into memory the compute stream's
+        allocator handed out, which its queued work may still read)."""
         if self.emulated is not None:
             stream = self.emulated["h2d"]
             stream.wait_for(after)
@@ -194,10 +196,18 @@ class Transfers:
         if not self.on_cuda:
             yield
             return
+        if after_compute:
+            self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.h2d_stream):
             if after is not None:
                 self.h2d_stream.wait_event(after)
             yield
+
+    def read_by_h2d(self, tensor: torch.Tensor) -> None:
+        """The caching allocator must not hand out device ``tensor``'s memory again before the host-to-device copies
+        queued so far ran (one written there, should it be freed unread). The emulation's copies hold a reference."""
+        if self.on_cuda:
+            tensor.record_stream(self.h2d_stream)
 
     def order_after_copies(self) -> None:
         """Inside ``on_h2d_stream``: the host-issued work that follows (a collective) needs the copies queued so far.

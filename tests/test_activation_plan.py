@@ -95,6 +95,9 @@ def test_a_host_block_copies_each_saved_tensor_once_and_leaves_its_weights_in_th
             self.regions[key] = torch.empty(numel, dtype=dtype)
             return self.regions[key]
 
+        def activation_copy(self, key, copied):
+            pass
+
     slot = torch.randn(2 * 16 * 16)
     first, second = (slot[i * 256:(i + 1) * 256].view(16, 16).requires_grad_(True) for i in range(2))
     buffers = Buffers()
@@ -102,7 +105,7 @@ def test_a_host_block_copies_each_saved_tensor_once_and_leaves_its_weights_in_th
     x = torch.randn(4, 16, requires_grad=True)
     with store.hooks(0):
         out = (torch.tanh(x @ first) + x @ second).sum()
-    assert sorted(buffers.regions) == [(0, 0), (0, 1)]  # x once, tanh's output once; no weight
+    assert [copy.span.numel() for copy in store.saved[0]] == [64, 64]  # x once, tanh's output once; no weight
     out.backward()
     reference_x = x.detach().clone().requires_grad_(True)
     (torch.tanh(reference_x @ first.detach()) + reference_x @ second.detach()).sum().backward()
@@ -171,6 +174,9 @@ def test_a_tensor_freed_in_the_forward_does_not_stand_in_for_a_later_one_at_its_
         def activation_buffer(self, key, numel, dtype, pin):
             return torch.empty(numel, dtype=dtype)
 
+        def activation_copy(self, key, copied):
+            pass
+
     store = SavedOnHost(Transfers(torch.device("cpu")), Buffers(), False, [])
     x = torch.randn(256, 256, requires_grad=True)
     with store.hooks(0):
@@ -186,3 +192,32 @@ def test_a_tensor_freed_in_the_forward_does_not_stand_in_for_a_later_one_at_its_
         kept.add_(1.0)  # which autograd would refuse at the backward without hooks
     with pytest.raises(RuntimeError, match=r"^SlideFSDP block 1: a tensor its backward needs .* changed in place"):
         store.end_forward(1)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_auto_counts_the_host_buffers_placed_before_memavailable_is_read_once(monkeypatch, pinned):
+    """The shipped 8B, placed: MemAvailable (read after the master, the staging copy and, pinned, the gradient ring
+    were written) already lacks them, so the host's room for activations is it less only what is still to come (the
+    moments, an unpinned ring, the runtime); ``host_memory_gb`` is a budget for all the buffers, each counted once."""
+    import types
+
+    from offload import preflight
+    from offload.host_memory import GIB, with_runtime
+    from offload.plan import placed_costs
+    from tests.test_offload_host import _llama_8b_offload
+
+    strategy, trainer, module, data = _llama_8b_offload()
+    strategy.activation_plan = "auto"
+    units = strategy.model_units(module, data, trainer.num_devices)
+    plan = strategy.plan(trainer)
+    parts = with_runtime(plan.host_buffers(units), plan.run.processes_per_node)
+    module_view = types.SimpleNamespace(trainer=types.SimpleNamespace(datamodule=data), hparams={},
+                                        hf_config=module.hf_config)
+    ring = types.SimpleNamespace(region=types.SimpleNamespace(pinned=pinned))
+    window = types.SimpleNamespace(device=torch.device("cpu"), host=types.SimpleNamespace(incoming=ring))
+    monkeypatch.setattr(preflight, "available_host_bytes", lambda: 60 * GIB)  # 128 GiB less what placement wrote
+    costs = placed_costs(module_view, plan, window, units, None)
+    to_come = parts["adam_moments"] + parts["runtime"] + (0 if pinned else parts["gradient_ring"])
+    assert costs.host_free == 60 * GIB - to_come > 0  # counted twice: 0, no block on the host
+    budget = placed_costs(module_view, plan, window, units, 128.0)
+    assert budget.host_free == 128 * GIB - sum(parts.values())

@@ -141,3 +141,17 @@ def test_checkpointing_off_leaves_the_standard_checkpoint_out_but_refuses_a_list
     listed = "[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {save_top_k: 0}}]"
     with pytest.raises(MisconfigurationException, match="enable_checkpointing=False"):
         trainer_callbacks(tmp_path, *off, "--trainer.callbacks", listed)
+
+
+@pytest.mark.parametrize(("args", "reduce_dtype"), [
+    (["--config", str(QUICKSTART), "--config", str(REPO / "configs" / "offload.yaml")], "auto"),
+    (["--trainer.strategy.class_path", "offload.SlideFSDPStrategy"], "auto"),
+    (["--config", str(QUICKSTART)], "float32"),
+    (["--trainer.strategy.class_path", "offload.SlideFSDPStrategy", "--trainer.strategy.init_args.reduce_dtype",
+      "float32"], "float32"),
+], ids=["offload_on_quickstart", "slide_flag", "fsdp2", "slide_given"])
+def test_a_strategy_chosen_over_fsdp2_gets_its_own_reduce_dtype_default_not_fsdp2s(tmp_path, args, reduce_dtype):
+    """The CLI keeps the arguments two strategies share when a config or flag changes the class_path: SlideFSDP chosen
+    over the default FSDP2 reduces in its own default (auto), not in FSDP2's float32; a value given stays."""
+    cli = run(["--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), *args], run=False)
+    assert cli.trainer.strategy.reduce_dtype == reduce_dtype

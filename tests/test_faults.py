@@ -19,7 +19,7 @@ import torch
 from lit_fsdp import checkpoints
 from lit_fsdp.data import token_cache
 from lit_fsdp.data.token_cache import BuilderLostError, Heartbeat, wait_or_build
-from tests.helpers import fit, fit_arguments, read_metrics, run_cli
+from tests.helpers import cli_in_process, fit, fit_arguments, read_metrics, run_cli
 
 STEPS = 8
 
@@ -99,12 +99,33 @@ def test_last_falls_back_past_missing_and_truncated_checkpoints(uninterrupted, t
     assert Path(path).name == "epoch=0-step=6.ckpt"
     assert any("skipping" in note and shard.name in note for note in notes)
 
-    named = run_cli(*fit_arguments(tmp_path, "--ckpt_path", str(ckpts / "epoch=0-step=8.ckpt")), cwd=tmp_path, check=False)
+    # refused before any worker started: cli_in_process fails where a process group starts or training is reached
+    named = cli_in_process(*fit_arguments(tmp_path, "--ckpt_path", str(ckpts / "epoch=0-step=8.ckpt")), cwd=tmp_path)
     assert named.returncode == 2 and len(errors(named)) == 1
     assert "epoch=0-step=8.ckpt cannot be resumed" in errors(named)[0] and shard.name in errors(named)[0]
-    assert "Initializing distributed" not in named.stderr  # refused before any worker started
 
     assert checkpoints.resolve("last", tmp_path / "empty")[0] is None
+
+
+def test_last_is_the_checkpoint_written_last_and_a_fresh_run_beside_another_runs_says_so(tmp_path):
+    """A run of 8 steps, then a fresh one of 3 in the same folder (its ``last`` is ``last-v1.ckpt``): the second says
+    at its start that the folder holds the first's checkpoints, and ``--ckpt_path last`` resumes the second's step 3,
+    not the first's step 8 (the higher step, written earlier)."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+
+    def save(name: str, step: int, written: float) -> None:
+        torch.save({checkpoints.MANIFEST_KEY: {"format": checkpoints.FORMAT, "step": step}}, folder / name)
+        os.utime(folder / name, (written, written))
+
+    save("epoch=0-step=8.ckpt", 8, 1_000)
+    save("last.ckpt", 8, 1_000)
+    assert checkpoints.earlier_run(tmp_path / "empty") == []
+    (line,) = checkpoints.earlier_run(folder)
+    assert line.startswith(f"lit_fsdp: {folder} holds an earlier run's checkpoints") and "at step 8" in line
+    save("last-v1.ckpt", 3, 2_000)
+    path, manifest, notes = checkpoints.resolve("last", folder)
+    assert Path(path).name == "last-v1.ckpt" and manifest["step"] == 3 and "step 3" in notes[-1]
 
 
 @pytest.mark.parametrize("direction", ["2->1", "1->2"])
@@ -126,8 +147,8 @@ def test_resume_on_another_world_size_continues_at_the_next_sample(uninterrupted
     expected = samples_by_step(reference / "samples")
     assert samples_by_step(tmp_path / "samples") == {step: expected[step] for step in range(4, STEPS)}
 
-    other_batch = run_cli(*fit_arguments(tmp_path / "other", "--ckpt_path", str(ckpts / "epoch=0-step=4.ckpt"),
-                                         devices=devices, batch_size=8), cwd=tmp_path, check=False)
+    other_batch = cli_in_process(*fit_arguments(tmp_path / "other", "--ckpt_path", str(ckpts / "epoch=0-step=4.ckpt"),
+                                                devices=devices, batch_size=8), cwd=tmp_path)
     assert other_batch.returncode == 2 and "was trained with a global batch of 4" in errors(other_batch)[0]
 
 

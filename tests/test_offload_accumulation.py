@@ -103,3 +103,25 @@ def test_a_sum_no_last_micro_batch_sent_goes_to_the_host_at_the_optimizer_step_a
         pipeline.adam.close()
     for sent_last, sent_at_step in zip(*results):
         assert torch.equal(sent_last, sent_at_step)
+
+
+def test_the_devices_sums_are_views_of_one_buffer_allocated_at_placement_not_in_the_backward():
+    """Accumulation on the device: every gradient part's float32 sum is a view of one flat buffer the pipeline
+    allocated when it was built (placement, before the free memory is measured), of the plan's size; the first
+    micro-batch's backward writes into it and allocates no sum of its own."""
+    import torch
+
+    from offload.schedule import UpdateSchedule
+    from tests.test_offload_speculative import pipeline_of, random_gradients
+
+    pipeline, params = pipeline_of(UpdateSchedule.of(False, False, 2, "warn", accumulate_on="device"), slots=8)
+    sums = list(pipeline.device_sums.values())
+    storage = sums[0].untyped_storage()
+    assert all(s.untyped_storage().data_ptr() == storage.data_ptr() and s.dtype == torch.float32 for s in sums)
+    assert storage.nbytes() == sum(layout.shard_numel for layout in pipeline.layouts) * 4  # accumulator_bytes
+    gradients = random_gradients(params, torch.Generator().manual_seed(1), 1.0)
+    for unit in (1, 0):
+        for part, members in enumerate(pipeline.parts[unit]):
+            pipeline.reduce_and_offload(unit, part, [gradients[unit][i] for i in members.places], False, last=False)
+    assert pipeline.accumulated and all(kept is pipeline.device_sums[key] for key, kept in pipeline.accumulated.items())
+    pipeline.adam.close()

@@ -23,6 +23,8 @@ LLAMA = ["--model.preset", "llama-tiny", "--model.config_overrides", "{num_hidde
 # and marks 1 and 3 with BeforeBackward (their saved tensors view their slot).
 CASES = {"window1_checkpoint2": dict(window=1, activation_checkpointing=2),
          "window2_checkpoint0": dict(window=2, activation_checkpointing=0)}
+# window2_checkpoint0's plan (every block kept on the device) with its first two blocks' saved tensors on the host
+HOST_BLOCKS = dict(window=2, activation_checkpointing=0, activation_plan="{host: 2}", compile_blocks=True)
 
 
 class CountGraphs(pl.Callback):
@@ -54,15 +56,16 @@ class CountGraphs(pl.Callback):
 
 
 def slide_runs(rank: int, world: int, root: Path) -> None:
-    """Each case eager, then compiled, in this one process: the compiled cases share dynamo's cache, as the blocks do."""
+    """Each case eager, then compiled, in this one process: the compiled cases share dynamo's cache, as the blocks do;
+    then the compiled host blocks."""
     cli = in_process_cli(rank, world)
-    for name, knobs in CASES.items():
-        for compiled in (False, True):
-            folder = root / f"{name}-{'compiled' if compiled else 'eager'}"
-            settings = [arg for key, value in {**knobs, "compile_blocks": compiled}.items()
-                        for arg in (f"--trainer.strategy.init_args.{key}", str(value))]
-            probe = {"class_path": f"{__name__}.CountGraphs", "init_args": {"path": str(folder / "graphs.json")}}
-            cli(fit_arguments(folder, *LLAMA, *settings, devices=1, batch_size=4, steps=STEPS, callbacks=[probe]))
+    runs = {f"{name}-{'compiled' if compiled else 'eager'}": {**knobs, "compile_blocks": compiled}
+            for name, knobs in CASES.items() for compiled in (False, True)}
+    for name, knobs in {**runs, "window2_host2-compiled": HOST_BLOCKS}.items():
+        folder = root / name
+        settings = [arg for key, value in knobs.items() for arg in (f"--trainer.strategy.init_args.{key}", str(value))]
+        probe = {"class_path": f"{__name__}.CountGraphs", "init_args": {"path": str(folder / "graphs.json")}}
+        cli(fit_arguments(folder, *LLAMA, *settings, devices=1, batch_size=4, steps=STEPS, callbacks=[probe]))
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +93,16 @@ def test_compiled_blocks_give_eager_losses_and_do_not_recompile_after_the_first_
     assert steps[-1]["breaks"] == 0  # each block's forward is one graph: the engine's hooks stay outside it
     if case == next(iter(CASES)):  # the first compiled run compiles (the training graph, and one without grad for
         assert steps[0]["graphs"] == 2  # the recomputation's forward); the second reuses them with its new model
+
+
+def test_compiled_host_blocks_get_their_saved_tensors_back_with_their_strides_and_the_kept_plans_losses(runs):
+    """Inductor's compiled backward asserts the size and strides of every tensor its forward saved: host blocks give
+    them back as they were (a copy made contiguous fails there), and train as the same blocks kept on the device."""
+    kept, host = losses(runs / "window2_checkpoint0-compiled"), losses(runs / "window2_host2-compiled")
+    assert len(host) == STEPS
+    assert host == pytest.approx(kept, rel=1e-6)
+    steps = json.loads((runs / "window2_host2-compiled" / "graphs.json").read_text())["steps"]
+    assert all(after == steps[0] for after in steps[1:]) and steps[-1]["breaks"] == 0, steps
 
 
 def test_compile_blocks_where_inductor_has_no_compiler_is_refused_in_one_line():

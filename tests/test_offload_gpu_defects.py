@@ -222,3 +222,101 @@ def test_the_estimate_of_offloaded_activations_is_what_a_forward_allocates(tmp_p
 
     ((allocated, counted, estimated),) = run(_activation_bytes, tmp_path, world=1)
     assert allocated == counted == estimated == 2 * 3 * 20 * 64 * 4  # blocks 0 and 2, float32 inputs
+
+
+def test_a_host_blocks_saved_tensors_come_back_with_their_strides_from_one_region_registered_per_block(monkeypatch):
+    """A host block's saved tensors (transposed, a view with gaps, an expanded one, a small one) come back with their
+    sizes and strides, which inductor's compiled backward asserts. They are carved out of one region per block,
+    registered once (at its second forward, sized by its first): not one ``cudaHostRegister`` per tensor, whose
+    small regions would share pages and fail to register."""
+    from offload.saved_on_host import SavedOnHost
+
+    cudart = fake_cudart(0, True)
+    registered = []
+    cudart.cudaHostRegister = lambda ptr, size, flags: registered.append((ptr, size)) or 0
+    cudart.cudaHostUnregister = lambda ptr: None
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    state = host.HostState([_unit()], torch.float32, torch.float32, full_staging=True, keep_gradients=False,
+                           incoming_full=False, ring_size=2, pin=True, shared=None)
+    before = len(registered)
+    store = SavedOnHost(transfers.Transfers(torch.device("cpu")), state, True, [])
+    base = torch.randn(6, 4)
+    saved = {"transposed": base.t(), "with gaps": base[:, 1:3], "overlapping": base[:1].expand(5, 4),
+             "small": torch.randn(3)}
+    for _ in range(2):
+        with store.hooks(0):
+            packed = [store.pack(0, tensor) for tensor in saved.values()]
+        store.end_forward(0)
+        for (name, tensor), each in zip(saved.items(), packed):
+            back = store.unpack(each)
+            assert (back.shape, back.stride()) == (tensor.shape, tensor.stride()) and torch.equal(back, tensor), name
+        store.done(0)
+    ((start, size),) = registered[before:]
+    assert all(start <= copy.span.data_ptr() and copy.span.data_ptr() + copy.span.nbytes <= start + size
+               for copy in store.saved[0])
+
+
+def test_an_activation_region_is_closed_only_after_its_last_copy_ran(monkeypatch):
+    """A region resized while the previous micro-batch's copy from it may still be queued (nothing else waits for it
+    with accumulation on the device) is unregistered only once that copy's event has completed."""
+    import threading
+    from concurrent.futures import Future
+
+    last_copy = Future()
+    cudart = fake_cudart(0, True)
+    unregistered = []
+    cudart.cudaHostRegister = lambda ptr, size, flags: 0
+    cudart.cudaHostUnregister = lambda ptr: unregistered.append(last_copy.done())
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    state = host.HostState([_unit()], torch.float32, torch.float32, full_staging=True, keep_gradients=False,
+                           incoming_full=False, ring_size=2, pin=True, shared=None)
+    state.activation_buffer(("saved", 0), 4096, torch.uint8, True)
+    state.activation_copy(("saved", 0), last_copy)
+    threading.Timer(0.05, last_copy.set_result, [None]).start()
+    state.activation_buffer(("saved", 0), 8192, torch.uint8, True)  # a longer batch: a new region, the old closed
+    assert unregistered == [True]
+
+
+def test_fetched_activations_are_allocated_on_the_compute_stream_and_their_copy_waits_for_its_work(monkeypatch):
+    """The device copies of a host block's saved tensors and of an offloaded checkpointed input are allocated outside
+    the copy stream (from the compute stream's pool, which the plan counts and which uses and frees them), and the
+    copy into each waits for the compute queued before it (which may still read the memory handed out)."""
+    from contextlib import contextmanager
+
+    from offload.checkpointing import ActivationStore
+    from offload.saved_on_host import SavedOnHost
+
+    class Streams(transfers.Transfers):
+        copying = False
+        after_compute: list[bool] = []
+
+        @contextmanager
+        def on_h2d_stream(self, after=None, after_compute=False):
+            self.after_compute.append(after_compute)
+            self.copying = True
+            try:
+                yield
+            finally:
+                self.copying = False
+
+    streams = Streams(torch.device("cpu"))
+    on_copy_stream = []
+    empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            on_copy_stream.append(streams.copying)
+        return empty(*args, **kwargs)
+
+    state = host.HostState([_unit()], torch.float32, torch.float32, full_staging=True, keep_gradients=False,
+                           incoming_full=False, ring_size=2, pin=False, shared=None)
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    saved = SavedOnHost(streams, state, False, [])
+    with saved.hooks(0):
+        packed = saved.pack(0, torch.randn(4, 8))
+    saved.end_forward(0)
+    saved.unpack(packed)
+    inputs = ActivationStore(types.SimpleNamespace(transfers=streams), True, state, pin=False)
+    inputs.keep(1, torch.randn(4, 8))
+    inputs.fetch(1)
+    assert on_copy_stream == [False, False] and streams.after_compute == [True, True]

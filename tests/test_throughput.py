@@ -211,3 +211,22 @@ def test_a_two_process_run_logs_mfu_and_samples_per_s(tmp_path):
     times = record["step_times_ms"]
     assert len(times) == 4 and record["step_time_ms_mean"] == pytest.approx(sum(times) / 4, rel=1e-9)
     assert min(times) <= record["step_time_ms_p10"] <= record["step_time_ms_p50"] <= record["step_time_ms_p90"] <= max(times)
+
+
+@pytest.mark.parametrize(("global_step", "measured"), [(0, 4), (8, 9)])
+def test_the_steady_state_leaves_out_the_delayed_updates_synchronous_warm_up_too(global_step, measured):
+    """SlideFSDP with a delayed update after 10 synchronous steps (the 8B config's): the figures leave those 10 out, not
+    only the callback's 5 warm-up steps, so no unhidden update enters them; a run resumed at step 8 has 2 of them left,
+    under the callback's own 5."""
+    from offload import SlideFSDPStrategy
+
+    callback = Throughput(peak_tflops=1.0)
+    strategy = SlideFSDPStrategy(delayed_update=True, delayed_update_warmup=10)
+    trainer = SimpleNamespace(world_size=1, strategy=strategy, global_step=global_step)
+    callback.on_train_start(trainer, SimpleNamespace(model=None, hparams={}, device=torch.device("cpu")))
+    callback.step_seconds = [3.0] * 10 + [1.0] * 4
+    callback.tokens_per_step = 512
+    summary = callback.summary()
+    assert summary["steps_measured"] == measured and summary["warmup_steps_included"] is False
+    if global_step == 0:
+        assert summary["step_time_ms_mean"] == 1000.0
