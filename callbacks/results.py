@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+from pathlib import Path
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -12,7 +13,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 import torch
 
-from callbacks.run_folder import append_jsonl, compression_method, logged, run_name, write_json
+from callbacks.run_folder import append_jsonl, compression_method, folder, logged, run_name, write_json
+from callbacks.run_summary import summary_lines
 from lit_fsdp.errors import error_line
 from lit_fsdp.wandb_logger import publish_summary
 from lit_fsdp.reporting import strategy_report
@@ -99,10 +101,14 @@ class Results(pl.Callback):
         return finite_or_null(record)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Append the record and print its summary (``callbacks.run_summary``)."""
         # Computed on every rank (callbacks may gather across ranks in summary()); written by rank 0.
         record = self.record(trainer, pl_module)
         append_jsonl(trainer, "results.jsonl", record)
         publish_summary(trainer, record)
+        if trainer.is_global_zero:  # the run's last lines: what a log ends with
+            saving = [callback.dirpath for callback in trainer.checkpoint_callbacks if getattr(callback, "dirpath", None)]
+            print("\n".join(summary_lines(record, folder(trainer), Path(saving[0]) if saving else None)), flush=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A run that fails still leaves its line (``status: failed`` and the reason), so sweeps and comparisons show it.

@@ -16,6 +16,11 @@ class OneLineError(ValueError):
     """An error whose message is already the one line to show (not a wrapper to look through)."""
 
 
+class ErrorBlock(ValueError):
+    """An error whose message is a short block, shown whole: a heading line, then one line per item (every unknown key
+    of a config at once)."""
+
+
 class RunError(OneLineError):
     """An error that every rank raises together (a decision they agreed on): printed once, by rank 0."""
 
@@ -36,6 +41,8 @@ def error_line(error: BaseException) -> str:
     is neither a type mismatch nor another Union's failure is the one to show.
     """
     text = str(error)
+    if isinstance(error, ErrorBlock):
+        return text.strip()
     if isinstance(error, OneLineError):
         return text.strip().splitlines()[0] if text.strip() else type(error).__name__
     if "\nErrors:\n" in text:

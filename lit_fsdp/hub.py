@@ -67,6 +67,7 @@ def model_folder(spec: str, flag: str) -> str:
     match = MODEL_NAME.fullmatch(spec)
     if match is None or Path(spec).expanduser().exists():
         return spec
+    _refuse_missing_folder(spec, flag)
     folder = _snapshot(spec, flag, match, "model", MODEL_FILES)
     missing = _missing_model_files(folder)
     if missing:
@@ -86,6 +87,7 @@ def tokenizer_folder(spec: str, flag: str) -> str:
     match = MODEL_NAME.fullmatch(spec)
     if match is None or Path(spec).expanduser().exists():
         return spec
+    _refuse_missing_folder(spec, flag)
     return str(_snapshot(spec, flag, match, "tokenizer", TOKENIZER_FILES))
 
 
@@ -106,6 +108,20 @@ def dataset_path(spec: str, flag: str) -> str:
                            f"download it where there is network with `{_command(match)}` and copy the cache")
     raise OneLineError(f"{flag} {spec}: the data set {match['repo']} has no {subfolder}; name one of its subfolders "
                        f"(https://huggingface.co/datasets/{match['repo']}/tree/{match['revision'] or 'main'})")
+
+
+def _refuse_missing_folder(spec: str, flag: str) -> None:
+    """A one-line error for a name that is shaped like ``owner/name`` but whose ``owner`` is a local folder
+    (``runs/sft_base`` where ``runs/`` exists): a path the user meant, missing, not a Hub name to look up."""
+    parent = Path(spec).expanduser().parent
+    if parent.is_dir():
+        raise OneLineError(f"{flag} {spec}: no such folder: {parent.resolve()} holds no {Path(spec).name}; check the "
+                           "path (a relative one is read from the folder the command runs in), or make it first")
+
+
+def _no_local_folder(spec: str) -> str:
+    """The part of a Hub error that says ``spec`` was first looked for as a folder, and where."""
+    return f"no folder {Path(spec).expanduser().absolute()} (a relative path is read from the current folder), and"
 
 
 def _snapshot(spec: str, flag: str, match: re.Match[str], what: str, patterns: tuple[str, ...]) -> Path:
@@ -129,8 +145,8 @@ def _snapshot(spec: str, flag: str, match: re.Match[str], what: str, patterns: t
                            f"{'datasets/' if kind == 'dataset' else ''}{repo} and log in (`hf auth login`, or set "
                            "HF_TOKEN), or give a local folder") from None
     except RepositoryNotFoundError:
-        raise OneLineError(f"{flag} {spec} is neither a local path nor a {kind} on the Hub (or it is private: log in "
-                           "with `hf auth login` or set HF_TOKEN); check the name, or give a local folder") from None
+        raise OneLineError(f"{flag} {spec}: {_no_local_folder(spec)} no {kind} on the Hub by that name (or it is private: "
+                           "log in with `hf auth login` or set HF_TOKEN); check the path or the name") from None
     except RevisionNotFoundError:
         raise OneLineError(f"{flag} {spec}: {repo} has no revision {revision}; give one of its branches, tags or "
                            "commits after @, or none for main") from None
@@ -139,9 +155,9 @@ def _snapshot(spec: str, flag: str, match: re.Match[str], what: str, patterns: t
             raise OneLineError(f"{flag} {spec}: {named} is no local path and is not (wholly) in the Hub cache {cache} "
                                f"(HF_HUB_OFFLINE=1); download it on a machine with network with `{command}` and copy "
                                "the cache (HF_HUB_CACHE or HF_HOME names it here), or give a local folder") from None
-        raise OneLineError(f"{flag} {spec}: the Hub cannot be reached ({_first_line(error)}) and the cache {cache} does "
-                           f"not hold {named}; connect, or download it elsewhere with `{command}` and copy the cache"
-                           ) from None
+        raise OneLineError(f"{flag} {spec}: {_no_local_folder(spec)} the Hub, where {named} would name a {kind}, cannot "
+                           f"be reached ({_first_line(error)}) and the cache {cache} does not hold it; give an existing "
+                           f"folder, or connect, or download it elsewhere with `{command}` and copy the cache") from None
     except HfHubHTTPError as error:
         raise OneLineError(f"{flag} {spec}: the Hub refused {named} ({_first_line(error)}); try again later, or "
                            f"download it with `{command}`") from None

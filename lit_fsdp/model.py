@@ -302,6 +302,10 @@ def pretrained_config(path: str, folder: str | None = None) -> PretrainedConfig:
     resolved to, default ``path``), or a one-line error saying what is wrong. A repository's own code is never run."""
     folder = path if folder is None else folder
     file = Path(folder) / "config.json"
+    if not Path(folder).expanduser().exists():
+        raise FileNotFoundError(f"--model.pretrained_path {path}: no such folder {Path(folder).expanduser().absolute()} "
+                                "(a relative path is read from the current folder); check the path, or make it first "
+                                "with python -m lit_fsdp export CHECKPOINT FOLDER (docs/finetuning.md)")
     if not file.is_file():
         raise FileNotFoundError(f"--model.pretrained_path {path} has no config.json; give a folder written by save_pretrained "
                                 "or by python -m lit_fsdp export CHECKPOINT FOLDER (docs/finetuning.md makes one), or a "

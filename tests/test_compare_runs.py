@@ -171,3 +171,20 @@ def test_a_sweep_run_keeps_the_callbacks_its_configs_list_or_append(tmp_path):
     assert names([own, REPO / "configs" / "offload.yaml"]) == [
         "callbacks.Memory", "callbacks.OffloadStats", "callbacks.Results", "callbacks.Quality", "callbacks.Throughput",
         "callbacks.CompressionStats"]
+
+
+def test_compare_runs_is_a_command_and_keeps_two_runs_of_one_seed_apart(tmp_path, capsys):
+    from lit_fsdp.commands.main import main
+
+    folder = tmp_path / "runs" / "quickstart"
+    folder.mkdir(parents=True)
+    runs = [{"run_name": name, "compress_method": "none", "compress_config": None, "strategy": "fsdp2", "world_size": 2,
+             "seed": 1234, "status": "ok", "val_loss": loss, "tokens_per_s": 1000.0}
+            for name, loss in (("first", 5.0), ("second", 4.0))]
+    (folder / "results.jsonl").write_text("".join(json.dumps(run) + "\n" for run in runs))
+    main(["compare_runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "2 runs of none on 2 processes with seed 1234 (first, second), each counted as a run" in out, out
+    with open(tmp_path / "out" / "comparison.csv") as file:
+        row = next(csv.DictReader(file))
+    assert row["runs"] == "2" and float(row["val_loss_mean"]) == 4.5, row

@@ -8,13 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM
 
+from callbacks.throughput import Throughput
+from lit_fsdp import hub
+from lit_fsdp.commands.cli import run
 from lit_fsdp.commands.main import main
 from lit_fsdp.data.tokenizer import train_bpe
 from lit_fsdp.presets import build_config
 from tests.corpus import articles, write_lines
-from tests.helpers import FAST, REPO, run_cli
+from tests.helpers import FAST, REPO, SFT_SAMPLES, run_cli
 
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
@@ -112,3 +116,46 @@ def test_estimate_validates_the_compression_settings_as_fit_does(capsys):
               "{method: topk, ratio: 2}"])
     errors = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(errors) == 1 and "ratio=2.0 is not a fraction in (0, 1]" in errors[0], errors
+
+
+@pytest.mark.parametrize("runs_folder", [True, False], ids=["its-parent-exists", "no-parent"])
+def test_a_missing_base_folder_is_said_to_be_missing_not_a_hub_problem(tmp_path, monkeypatch, capsys, runs_folder):
+    """configs/sft_lora.yaml before runs/sft_base is made: the folder is named missing; where ``runs/`` itself is
+    missing the name could be a Hub repository, so the Hub is mentioned, after the folder."""
+    def unreachable(*args, **kwargs):
+        raise LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not known")
+
+    monkeypatch.setattr(hub, "snapshot_download", unreachable)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    if runs_folder:
+        (tmp_path / "runs").mkdir()
+    with pytest.raises(SystemExit) as exit:
+        main(["fit", "--config", str(REPO / "configs" / "sft_lora.yaml"), "--trainer.devices", "1",
+              "--data.init_args.train_path", str(SFT_SAMPLES / "train.jsonl"),
+              "--data.init_args.val_path", str(SFT_SAMPLES / "val.jsonl")])
+    line = one_error_line(capsys.readouterr().err)
+    assert exit.value.code == 2
+    if runs_folder:
+        assert f"--model.pretrained_path runs/sft_base: no such folder: {tmp_path.resolve() / 'runs'} holds no " \
+               "sft_base" in line and "Hub" not in line, line
+    else:
+        assert f"--model.pretrained_path runs/sft_base: no folder {tmp_path / 'runs' / 'sft_base'} " in line, line
+        assert "the Hub, where runs/sft_base would name a model, cannot be reached" in line, line
+
+
+def test_more_cpu_processes_than_cores_is_one_warning_line_saying_why_it_is_slower(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})  # a 2-core machine
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("INFO"), pytest.raises(SystemExit):  # stopped in the preflight, after the warning
+        main(["fit", "--config", str(QUICKSTART), "--trainer.devices", "3", "--trainer.logger", "false",
+              "--data.seq_len", "4096"])
+    warned = [record.getMessage() for record in caplog.records if "warning:" in record.getMessage()]
+    assert warned == ["lit_fsdp: warning: --trainer.devices 3 starts 3 CPU processes on 2 cores: they take turns on "
+                      "the cores and every step waits for the slowest, so the run is slower than with "
+                      "--trainer.devices 2"], warned
+
+
+def test_peak_tflops_on_the_command_line_gives_throughput_its_peak():
+    cli = run(["--config", str(QUICKSTART), "--trainer.logger", "false", "--peak_tflops", "0.5"], run=False)
+    assert [c.peak_tflops for c in cli.trainer.callbacks if isinstance(c, Throughput)] == [0.5]

@@ -144,15 +144,36 @@ def test_a_max_steps_run_shows_the_epoch_without_a_negative_total():
     assert bar._get_train_description(2).strip() == "Epoch 2/4"
 
 
-def test_the_quickstart_prints_no_warnings_and_a_short_progress_bar(tmp_path, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")  # rich's width off a terminal: the bar on one line
+def test_the_quickstart_logs_a_line_every_n_steps_and_ends_with_its_summary_without_warnings(tmp_path, monkeypatch):
+    # stdout a pipe, as under nohup or SLURM: lines as the run goes, not a bar drawn once at the end
     result = run_cli("fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--trainer.max_steps", "3",
+                     "--trainer.log_every_n_steps", "2", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1",
                      "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path)
     output = result.stdout + result.stderr
     # Lightning prints warnings from its own files as "<file>.py:<line>: <message>", without the category.
     warned = [line for line in output.splitlines() if re.search(r"warning|\.py:\d+: ", line, re.IGNORECASE)]
     assert not warned, "\n".join(warned)
     assert output.count("Throughput: MFU is null: no peak for 'cpu'") == 1  # rank 0, once, as information
-    assert re.search(r"step[:=] ?3/3", output) and re.search(r"\bloss[:=] ?\d+\.\d{3}\b", output), output[-2000:]
-    assert re.search(r"tok/s[:=] ?\d+(?![.\d])", output), output[-2000:]
+    assert "give one device's peak TFLOPS with --peak_tflops on fit's command line" in output
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step=")]
+    assert [line.split()[0] for line in steps] == ["step=2/3", "step=3/3"], result.stdout[-2000:]
+    assert all(re.fullmatch(r"step=\d/3 loss=\d+\.\d{3} tok/s=\d+ elapsed=\d+s eta=\d+s", line) for line in steps), steps
+    assert re.search(r"^val step=3/3 val_loss=\d+\.\d{3} val_ppl=[\d.]+$", result.stdout, re.MULTILINE), result.stdout
     assert "/-2" not in output and "tokens_per_s_running" not in output and "v_num" not in output
+    assert "\r" not in result.stdout  # no bar redrawn in the log
+    summary = result.stdout.splitlines()[-3:]
+    assert re.fullmatch(r"run \S+ done: 3 steps; train loss \d+\.\d{4}, val loss \d+\.\d{4} \(ppl [\d.]+\); "
+                        r"[\d,]+ tokens/s, MFU unknown \(no peak TFLOPS for this device\)", summary[0]), summary
+    assert summary[1].startswith(f"run folder {tmp_path.resolve()}: results.jsonl, history.jsonl, throughput.json"), summary
+    assert summary[2] == f"checkpoints in {tmp_path.resolve() / 'checkpoints'} (resume with --ckpt_path last)", summary
+
+
+def test_the_summary_names_mfu_where_known_and_a_failed_run_says_why(tmp_path):
+    from callbacks.run_summary import summary_lines
+
+    (tmp_path / "results.jsonl").write_text("{}\n")
+    record = {"run_name": "r", "steps": 50, "train_loss": 2.0, "val_loss": None, "tokens_per_s": 8493.2, "mfu": 0.414}
+    assert summary_lines(record, tmp_path) == ["run r done: 50 steps; train loss 2.0000; 8,493 tokens/s, MFU 41.4%",
+                                               f"run folder {tmp_path.resolve()}: results.jsonl"]
+    failed = summary_lines({**record, "status": "failed", "error": "out of memory"}, tmp_path)[0]
+    assert failed.startswith("run r failed (out of memory): 50 steps")

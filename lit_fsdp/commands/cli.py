@@ -5,24 +5,30 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+from jsonargparse import ArgumentError
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
 from callbacks.comm_profiler import CommProfiler
+from callbacks.throughput import Throughput
 from callbacks.progress_bar import progress_bar
+from callbacks.progress_lines import ProgressLines
 from callbacks.run_folder import compression_method, run_name
 import offload  # noqa: F401  (registers the slide_fsdp strategy name)
 from lit_fsdp import checkpoints
 from lit_fsdp.data.blocks import BlockDataModule, check_same_global_batch
 from lit_fsdp.ddp import DDPStrategy
-from lit_fsdp.errors import PeerLostError, lost_peer
+from lit_fsdp.errors import OneLineError, PeerLostError, lost_peer
+from lit_fsdp.commands import config_keys
 from lit_fsdp.commands.help import PlainHelpFormatter
 from lit_fsdp.model import CausalLM
 from lit_fsdp.lifecycle import CausalLMStrategy
@@ -61,6 +67,11 @@ COMM_PROFILER = (
     "and every rank writes a trace (2.6 MB each for the quickstart on 2 CPU processes; more with GPU kernels)"
 )
 
+PEAK_TFLOPS = (
+    "peak TFLOPS of one device, for the MFU of callbacks.Throughput where its built-in GPU table has none (a CPU, an "
+    "unlisted GPU); a Throughput whose init_args give peak_tflops keeps its own"
+)
+
 # Deprecations inside Lightning that a user cannot act on, silenced by message and by the module they arise in
 # (every rank imports this module). Lightning's flattening of the dataloaders builds a LeafSpec, which torch's
 # pytree deprecates: Lightning-AI/pytorch-lightning#21326.
@@ -89,6 +100,7 @@ class PlainParser(LightningArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", PlainHelpFormatter)
+        kwargs.setdefault("exit_on_error", False)  # LitFsdpCLI.parse_arguments says the error in a line, no usage
         super().__init__(*args, **kwargs)
 
 
@@ -104,6 +116,7 @@ class LitFsdpCLI(LightningCLI):
         parser.set_defaults({"data": {"class_path": "lit_fsdp.data.synthetic.SyntheticDataModule"}})
         parser.set_defaults({"trainer.callbacks": copy.deepcopy(CALLBACKS)})
         parser.add_argument("--comm_profiler", type=bool, default=False, help=COMM_PROFILER)
+        parser.add_argument("--peak_tflops", type=Optional[float], default=None, help=PEAK_TFLOPS)
         # Taken (and refused in one line) rather than left out, so that a config naming them is told why.
         for name in REFUSED_OPTIMIZATION:
             parser.add_argument(f"--{name}", type=Optional[Union[str, dict]], default=None,
@@ -130,7 +143,16 @@ class LitFsdpCLI(LightningCLI):
         trainer["callbacks"] = [callback for callback in callbacks if callback != standard]
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        super().parse_arguments(parser, args)
+        given = sys.argv[1:] if args is None else args
+        subcommands = getattr(self, "_subcommand_parsers", {})
+        command = next((arg for arg in given if arg in subcommands), None) if isinstance(given, list) else None
+        if isinstance(given, list):  # unknown keys, all of them, named before jsonargparse stops at the first
+            checked = given[given.index(command) + 1:] if command else given
+            config_keys.check(subcommands[command] if command else parser, checked, command or "fit")
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as error:  # its message alone: the usage before it is the length of a screen
+            raise OneLineError(config_keys.parse_error_line(error, command or "fit")) from error
         # LightningCLI reads a --ckpt_path file's hyperparameters next, before our preflight: a file that is not a
         # checkpoint of ours must be refused first, in our one line (checkpoints.load).
         subcommand = self.config.get("subcommand")
@@ -147,6 +169,7 @@ class LitFsdpCLI(LightningCLI):
                 "lit_fsdp.ddp.DDPStrategy (whole model on each rank): remove the --trainer.strategy override"
             )
         strategy.preflight(self.trainer, self.model, self.datamodule)
+        self._warn_cores_shared()
         positions = getattr(self.model.hf_config(), "max_position_embeddings", None)
         seq_len = getattr(self.datamodule, "seq_len", 0)
         if positions is not None and seq_len > positions:
@@ -173,12 +196,25 @@ class LitFsdpCLI(LightningCLI):
             elif isinstance(logger, CSVFallbackLogger):
                 logger.use_folder(self.trainer.default_root_dir)
 
+    def _warn_cores_shared(self) -> None:
+        """One line where CPU processes outnumber the cores this process may run on: they share them, and each step
+        waits for the slowest, so the run is slower than with one process per core."""
+        trainer = self.trainer
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if isinstance(trainer.accelerator, CPUAccelerator) and trainer.num_devices > cores:
+            rank_zero_info(f"lit_fsdp: warning: --trainer.devices {trainer.num_devices} starts {trainer.num_devices} "
+                           f"CPU processes on {cores} core{'s' if cores > 1 else ''}: they take turns on the cores and "
+                           "every step waits for the slowest, so the run is slower than with --trainer.devices "
+                           f"{cores}")
+
     def _resolve_checkpoint(self) -> None:
         """``--ckpt_path last``: the newest complete checkpoint; a named one must be complete and of the same global batch."""
         arguments = self.config_init[self.subcommand]
         folders = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
         folder = folders[0] if folders else Path(self.trainer.default_root_dir) / "checkpoints"
         path, manifest, notes = checkpoints.resolve(arguments.get("ckpt_path"), folder)
+        if folders and arguments.get("ckpt_path") is None and self.subcommand == "fit":  # a fresh run that saves
+            notes = checkpoints.earlier_run(folder)
         for line in notes:
             rank_zero_info(line)
         arguments["ckpt_path"] = path
@@ -190,7 +226,8 @@ class LitFsdpCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, with a CommProfiler if ``comm_profiler`` asks for one and none is listed, and our progress bar
-        (short names, no ``Epoch 2/-2``) unless it is off or one is configured."""
+        (short names, no ``Epoch 2/-2``; plain lines where stdout is no terminal) unless it is off or one is
+        configured."""
         config = self._get(self.config_init, "trainer", default={})
         accelerator = config.get("accelerator")
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # Lightning's own answer is a traceback
@@ -202,8 +239,15 @@ class LitFsdpCLI(LightningCLI):
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
         if self._get(self.config_init, "comm_profiler") and not any(isinstance(c, CommProfiler) for c in callbacks):
             callbacks.append(CommProfiler())
+        peak = self._get(self.config_init, "peak_tflops")
+        if peak is not None:
+            if peak <= 0:
+                raise ValueError(f"--peak_tflops {peak} must be > 0 (TFLOPS of one device), or left unset")
+            for callback in callbacks:
+                if isinstance(callback, Throughput) and callback.peak_tflops is None:
+                    callback.peak_tflops = peak
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            callbacks.append(progress_bar())
+            callbacks.append(progress_bar() if sys.stdout.isatty() else ProgressLines())  # a log: lines, not a bar
         kwargs.setdefault("callbacks", callbacks)
         return super().instantiate_trainer(**kwargs)
 
@@ -236,5 +280,5 @@ def run(args: list[str] | None = None, cli_class: type[LitFsdpCLI] = LitFsdpCLI,
         # Lightning 2.5.0 takes no parser_class (Lightning-AI/pytorch-lightning#20596): its help keeps the backticks.
         **({"parser_class": PlainParser} if "parser_class" in inspect.signature(LightningCLI).parameters else {}),
         args=args,
-        **cli_options,
+        **{"parser_kwargs": {"prog": "python -m lit_fsdp"}, **cli_options},
     )

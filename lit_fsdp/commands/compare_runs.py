@@ -10,10 +10,12 @@ strategy too (``ddp``, ``fsdp2``, ``fsdp2 int8``, ...), so ``--baseline ddp`` co
 ``OUT/comparison.md``, ``OUT/comparison.csv`` and ``loss_vs_step.png``, ``loss_vs_wall.png``,
 ``tokens_per_s.png``, ``comm_share.png``, ``ratio_vs_ppl.png``.
 
-    python scripts/compare_runs.py runs/sweep                   # -> runs/sweep/comparison/
-    python scripts/compare_runs.py runs/a runs/b --baseline none --out runs/ab
-    python scripts/compare_runs.py runs/strategies --baseline ddp
-    python scripts/compare_runs.py --wandb my-team/lit_fsdp --out runs/wandb_comparison
+    python -m lit_fsdp compare_runs runs/sweep                   # -> runs/sweep/comparison/
+    python -m lit_fsdp compare_runs runs/a runs/b --baseline none --out runs/ab
+    python -m lit_fsdp compare_runs runs/strategies --baseline ddp
+    python -m lit_fsdp compare_runs --wandb my-team/lit_fsdp --out runs/wandb_comparison
+
+(``python scripts/compare_runs.py`` is the same command.)
 """
 
 from __future__ import annotations
@@ -82,19 +84,21 @@ def load_local(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], list[str]]:
         if path.parent in failed:
             continue
         history = read_jsonl(path.parent / "history.jsonl") if (path.parent / "history.jsonl").is_file() else []
-        # A run folder reused with the same seed (a re-run sweep) appends: its last record is the run.
         lines = [line for line in read_jsonl(path) if "compress_method" in line]
         if not lines:
             notes.append(f"{path}: no callbacks.Results records (another tool's file?), left out")
             continue
-        latest: dict[tuple, dict[str, Any]] = {}
+        # A run folder reused with the same seed appends a record per run: each is a run of its own (its run name
+        # tells it apart, and picks its loss curve), said in a note rather than merged into one.
+        same: dict[tuple, list[str]] = {}
         for record in lines:
-            latest[(record.get("compress_method"), json.dumps(record.get("compress_config"), sort_keys=True),
-                    record.get("world_size"), record.get("seed"))] = record
-        if len(latest) < len(lines):
-            dropped = len(lines) - len(latest)
-            notes.append(f"{path}: {dropped} earlier record(s) of the same method, world size and seed left out")
-        for record in latest.values():
+            same.setdefault((record.get("compress_method"), json.dumps(record.get("compress_config"), sort_keys=True),
+                             record.get("world_size"), record.get("seed")), []).append(str(record.get("run_name")))
+        for (method, _, world, seed), names in same.items():
+            if len(names) > 1:
+                notes.append(f"{path}: {len(names)} runs of {method} on {world} processes with seed {seed} "
+                             f"({', '.join(names)}), each counted as a run")
+        for record in lines:
             curve = [h for h in history if h.get("run_name") == record.get("run_name")]
             # callbacks.Results writes status failed (with the error) for a run that stopped on an error or NaN
             records.append({**record, "status": record.get("status") or "ok", "history": curve})
@@ -348,7 +352,8 @@ def report(records: list[dict[str, Any]], baseline: str, out: Path, notes: Itera
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """``python -m lit_fsdp compare_runs [PATHS] [--baseline METHOD] [--out FOLDER]``."""
+    parser = argparse.ArgumentParser(prog="python -m lit_fsdp compare_runs", description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="*", type=Path, help="run folders, sweep folders or results.jsonl files (default: runs)")
     parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read the runs of this W&B project instead (online only)")
     parser.add_argument("--baseline", default="none", help="method the changes are measured against (default: none)")

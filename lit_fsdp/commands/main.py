@@ -20,6 +20,7 @@ COMMANDS = {
     "estimate": "memory, traffic and a step-time bound of a run's configs, before it runs (no device needed)",
     "hardware": "print this machine's hardware as JSON, the format --tune.hardware reads",
     "compressors": "list the gradient compression methods, their parameters and defaults",
+    "compare_runs": "a table (Markdown, CSV) and loss-curve PNGs comparing the runs in run folders' results.jsonl",
 }
 
 #: Commands that run in this one process, each a function whose signature is its command line.
@@ -112,6 +113,10 @@ def main(argv: list[str] | None = None) -> None:
             from lit_fsdp.commands.tune.command import main as tune
 
             tune(args[1:])
+        elif command == "compare_runs":
+            from lit_fsdp.commands.compare_runs import main as compare_runs
+
+            compare_runs(args[1:])
         elif command == "estimate":
             from lit_fsdp.commands.estimate import main as estimate
 
@@ -137,7 +142,9 @@ def main(argv: list[str] | None = None) -> None:
         # Every rank raises an error the ranks agreed on (a non-finite step, a checkpoint that could not be
         # written): one of them says it.
         if not isinstance(error, RunError) or rank() == 0:
-            print(f"lit_fsdp: error: {error_line(error)} (LIT_FSDP_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+            line = error_line(error)
+            tip = "" if "\n" in line else " (LIT_FSDP_TRACEBACK=1 shows the traceback)"  # not after a block's last item
+            print(f"lit_fsdp: error: {line}{tip}", file=sys.stderr)
         sys.exit(2)
 
 
