@@ -176,6 +176,18 @@ class WandbLogger(LightningWandbLogger):
             # Lightning always passes it; wandb warns on any value since anonymous mode went (wandb/wandb#10909).
             del self._wandb_init["anonymous"]
 
+    def finalize(self, status: str) -> None:
+        """After a failed fit (Lightning's ``finalize("failed")``), one line saying where its offline W&B run is: the
+        metrics up to the failure, left for the user to look at, upload or delete (an online run is on W&B's server,
+        marked as failed there). Rank 0 only: the others start no W&B run."""
+        super().finalize(status)
+        if status == "success" or self._experiment is None or not getattr(self._experiment, "dir", None):
+            return
+        folder = Path(self._experiment.dir).parent  # wandb/offline-run-<time>-<id>, whose files/ is run.dir
+        if folder.name.startswith("offline-run-"):
+            rank_zero_info(f"lit_fsdp: the failed run's offline W&B run is in {folder}: `wandb sync {folder}` uploads "
+                           f"it, `rm -r {folder}` drops it")
+
     def use_run(self, folder: str, name: str, tags: list[str]) -> None:
         """Fill what the config left unset: W&B's files in the run ``folder``, the run's ``name``, its ``tags``.
 

@@ -37,7 +37,9 @@ from tests.helpers import read_metrics  # noqa: E402  (the CSV reader the tests 
 MAX_NORM = 1.0  # the quickstart's gradient_clip_val
 #: WikiText-2 at the quickstart's shape: configs/wikipedia.yaml's data (its byte-level BPE) with gpt2-tiny
 WIKITEXT = ["--config", "configs/wikipedia.yaml", "--model.preset", "gpt2-tiny", "--data.seq_len", "128",
-            "--data.batch_size", "8"]
+            "--data.batch_size", "8",  # the local copy the recorded tables used, not the config's Hub name
+            "--data.train_path", str(ROOT.parent / "shared" / "data" / "wikitext2" / "train.json"),
+            "--data.val_path", str(ROOT.parent / "shared" / "data" / "wikitext2" / "valid.json")]
 
 
 def arm_name(warmup: int | None) -> str:

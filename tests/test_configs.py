@@ -30,6 +30,12 @@ OWN = {
     # checkpointing off: one checkpoint of the 14B is 84 GiB
     "qwen_14b_full.yaml": ["callbacks.Throughput", "callbacks.Memory", "callbacks.Quality", "callbacks.OffloadStats",
                            "callbacks.Results"],
+    # the fine-tuning recipes: the 8B's and the 14B's full checkpoints (61 and 84 GiB) off, the LoRA one's kept (MB)
+    "sft_8b_full_offload.yaml": ["callbacks.Throughput", "callbacks.Memory", "callbacks.Quality",
+                                 "callbacks.OffloadStats", "callbacks.Results"],
+    "sft_14b_full_offload.yaml": ["callbacks.Throughput", "callbacks.Memory", "callbacks.Quality",
+                                  "callbacks.OffloadStats", "callbacks.Results"],
+    "sft_8b_lora_offload.yaml": [*STANDARD, "callbacks.OffloadStats"],
 }
 
 

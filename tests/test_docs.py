@@ -262,3 +262,16 @@ def test_the_record_checker_flags_figure_rows_without_an_existing_record():
             "| d | | | not a figure: within 10% |\n\n"
             "| codec | GB/s |\n|---|---|\n| topk (1%) | 150 |\n")
     assert [row.split("|")[1].strip() for row in unrecorded_figure_rows(text)] == ["b", "c"]
+
+
+def test_the_usage_config_table_lists_every_shipped_config():
+    """docs/usage.md's table of configs names each file of configs/: in a row of its own, or by its name in the
+    ``configs/<method>.yaml`` row of the compression methods."""
+    text = (REPO / "docs" / "usage.md").read_text()
+    section = text[text.index("## Configs"):]
+    rows = [line for line in section[:section.index("\n## ", 3)].splitlines() if line.startswith("| `configs/")]
+    own = {re.match(r"\| `configs/([\w-]+)\.yaml`", row).group(1) for row in rows if "<method>" not in row}
+    methods = set(re.findall(r"`(\w+)`", next(row for row in rows if "<method>" in row)))
+    shipped = {path.stem for path in (REPO / "configs").glob("*.yaml")}
+    assert not shipped - own - methods, f"docs/usage.md's config table leaves out {sorted(shipped - own - methods)}"
+    assert not (own | methods) - shipped, f"docs/usage.md's config table names {sorted((own | methods) - shipped)}"

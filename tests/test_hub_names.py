@@ -235,3 +235,28 @@ def test_fit_trains_a_hub_model_on_a_hub_data_set_offline_in_two_processes(sourc
                   "--data.tokenizer_path", "owner/tiny", "--data.seq_len", "32", "--data.cache_dir", str(tmp_path / "tokens"),
                   steps=2)
     assert len(metrics["train/loss"]) == 2 and all(np.isfinite(metrics["train/loss"]))
+
+
+def test_the_wikipedia_configs_wikitext2_is_read_by_its_hub_name_from_the_cache_offline(cache, tmp_path):
+    """configs/wikipedia.yaml names WikiText-2 on the Hub (Salesforce/wikitext's Parquet files, one line a row, empty
+    lines and headings included); laid out in the cache as ``hf download`` leaves it, its train and validation files
+    are found offline and each gives blocks."""
+    import yaml
+
+    from lit_fsdp.data.wikipedia import WikipediaDataModule
+    from tests.corpus import write_parquet
+    from tests.helpers import REPO
+
+    init_args = yaml.safe_load((REPO / "configs" / "wikipedia.yaml").read_text())["data"]["init_args"]
+    files = tmp_path / "wikitext"
+    (files / "wikitext-2-v1").mkdir(parents=True)
+    for split, count in (("train", 12), ("validation", 4), ("test", 1)):
+        lines = [line for record in articles(count) for line in ("", f" = {record['title']} = ", "", record["text"])]
+        write_parquet(files / "wikitext-2-v1" / f"{split}-00000-of-00001.parquet", [{"text": line} for line in lines])
+    cache_repo(cache, "dataset", "Salesforce/wikitext", files)
+    data = WikipediaDataModule(**{**init_args, "vocab_size": 300, "seq_len": 16, "batch_size": 2,
+                                  "cache_dir": str(tmp_path / "tokens")})
+    assert [file.name for file in data.train_path.files] == ["train-00000-of-00001.parquet"]
+    assert [file.name for file in data.val_path.files] == ["validation-00000-of-00001.parquet"]
+    data.setup("fit")
+    assert len(data.train_set) > 4 * len(data.val_set) > 0  # 12 articles to train on, 4 to validate

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, SFT_SAMPLES, fit, save_sft_base
+from tests.distributed import fit_in_process, run
+from tests.helpers import REPO, SFT_SAMPLES, fit, fit_arguments, read_metrics, save_sft_base
 
 SAMPLES = SFT_SAMPLES
 # after the config, whose own values would win over fit()'s
@@ -30,6 +31,28 @@ def test_the_sft_configs_train_on_two_processes_from_a_pretrained_folder(tmp_pat
     losses, val = metrics["train/loss"], metrics["val/loss"]
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses + val) and len(val) == 2
     assert losses[-1] < losses[0]
+
+
+#: The one-GPU fine-tuning recipes (README's first screen); their CPU twin overrides only what a CPU and a tiny model
+#: need.
+RECIPES = ["sft_8b_lora_offload.yaml", "sft_8b_full_offload.yaml", "sft_14b_full_offload.yaml"]
+TWIN = ["--trainer.accelerator", "cpu", "--trainer.strategy.init_args.compile_blocks", "false",
+        "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1", "--trainer.val_check_interval", "2",
+        "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false", "--data.seq_len", "64",
+        "--data.batch_size", "2", "--data.train_path", str(SAMPLES / "train.jsonl"),
+        "--data.val_path", str(SAMPLES / "val.jsonl")]
+
+
+def test_the_one_gpu_recipes_cpu_twins_train_from_a_pretrained_folder_with_slidefsdp(tmp_path, base):
+    """Each recipe as shipped (SlideFSDP, its update mode, LoRA or full, SFT data), with a tiny pretrained folder for
+    the 8B or 14B and the CPU for the GPU: two steps and a validation, all three in one spawned process."""
+    runs = {config: fit_arguments(tmp_path / config, "--config", str(REPO / "configs" / config),
+                                  "--model.pretrained_path", str(base), *TWIN, devices=1) for config in RECIPES}
+    run(fit_in_process, tmp_path, list(runs.values()), world=1)
+    for config in RECIPES:
+        metrics = read_metrics(max((tmp_path / config).glob("lightning_logs/version_*/metrics.csv")))
+        losses, val = metrics["train/loss"], metrics["val/loss"]
+        assert len(losses) == 2 and len(val) == 1 and all(math.isfinite(v) for v in losses + val), config
 
 
 def first_gradients(tmp: Path, base: Path, packing: bool, devices: int, batch_size: int, accumulate: int) -> torch.Tensor:

@@ -138,3 +138,22 @@ def test_default_logger_writes_an_offline_run_and_the_config_to_the_run_folder(n
     assert list(run["run"].tags) == ["int8"]
     config = yaml.safe_load((folder / "config.yaml").read_text())
     assert config["trainer"]["strategy"]["init_args"]["compression"]["method"] == "int8"
+
+
+def test_a_failed_fit_says_in_one_line_where_its_offline_wandb_run_is(no_wandb_setup, tmp_path, monkeypatch, caplog):
+    """Lightning calls ``finalize("failed")`` when a fit raises; the offline run it leaves is named with how to upload
+    or drop it. A run that succeeded says nothing of it."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = WandbLogger(run_name="failed", dir=str(tmp_path))
+    try:
+        logger.log_metrics({"train/loss": 2.5}, step=0)
+        with caplog.at_level("INFO"):
+            logger.finalize("success")
+            assert "offline W&B run" not in caplog.text
+            logger.finalize("failed")
+    finally:
+        logger.experiment.finish()
+        wandb.teardown()
+    (folder,) = tmp_path.glob("wandb/offline-run-*")
+    (line,) = [line for line in caplog.text.splitlines() if "offline W&B run" in line]
+    assert f"the failed run's offline W&B run is in {folder}: `wandb sync {folder}` uploads it" in line
