@@ -3,9 +3,6 @@
 # installs only this clone's project (`--no-deps -e .`); the newest-release environment also upgrades every
 # dependency eagerly on a hit. Sourced by .ci/run.
 
-CI_TARGET_S=2700        # CI's time on 2 cores, cold (docs/testing.md, "CI's time")
-DEEPSPEED_BUILD_S=720   # deepspeed's C++ ops from source on 2 cores: 5 to 12 minutes
-PEERS_RUN_S=240         # the peers' CPU run with its environment
 DEEPSPEED=deepspeed==0.19.8
 CI_CACHE="${LIT_FSDP_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lit_fsdp/ci}"
 CI_LOGS="${TMPDIR:-/tmp}/lit_fsdp-ci-$$"
@@ -34,8 +31,9 @@ python312() {  # python3.12, or pyenv's 3.12 where python3.12 is a shim of anoth
 
 cpu_flags() { grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-12 || true; }
 
-peers_wheels() {  # where deepspeed's wheel with its ops built for this CPU is kept
-  echo "$CI_CACHE/wheels/${DEEPSPEED/==/-}-torch-2.13.0-$(python3 -c 'import sys; print("py%d%d" % sys.version_info[:2])')-cpu-$(cpu_flags)"
+peers_wheels() {  # where deepspeed's wheel with its ops built for this CPU is kept (where earlier runs built it)
+  echo "${XDG_CACHE_HOME:-$HOME/.cache}/lit_fsdp/${DEEPSPEED/==/-}-torch-2.13.0-$(python3 -c \
+    'import sys; print("py%d%d" % sys.version_info[:2])')-cpu-$(cpu_flags)"
 }
 
 peers_wheel() { ls "$(peers_wheels)"/deepspeed-*.whl 2>/dev/null; }
@@ -46,7 +44,7 @@ env_key() {  # PYTHON TORCH EXTRAS: a hash of everything that determines the env
     echo "$2 [$3]"
     cat pyproject.toml
     cat /etc/xdg/pip/* /etc/pip.conf "${PIP_CONFIG_FILE:-/dev/null}" 2>/dev/null || true
-    env | grep '^PIP_' | sort || true
+    env | grep '^PIP_' | grep -v '^PIP_\(NO_\)\?CACHE_DIR=' | sort || true  # pip's cache makes no difference
     case $3 in *peers*) basename "$(peers_wheel)" ;; esac
   } | sha256sum | cut -c1-16
 }

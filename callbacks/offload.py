@@ -32,7 +32,7 @@ class OffloadStats(pl.Callback):
     ``rollback_ms``, the mean time of one's undo and redo; the summary counts the warm-up steps too). On a CPU "device" the computing
     thread is the device: host times, its waits for a buffer left out of the device's. The record also
     gets the node's host state (master weights, moments, staging copy, kept gradients, activations) in
-    GB and per billion parameters.
+    GB and per billion parameters, the update threads and the activation plan taken.
     """
 
     def __init__(self, warmup_steps: int = 2):
@@ -113,6 +113,7 @@ class OffloadStats(pl.Callback):
         record = {f"offload_{key}": value for key, value in self._figures(steps).items()}
         record.update({f"offload_{key}": value for key, value in self._rollbacks(self.steps).items()})  # warm-up too
         record["offload_update_threads"] = offload.update_threads_reason  # how many, and why
+        record["offload_activation_plan"] = offload.activation_plan_taken  # what activation_plan auto chose
         record.update(self._host_state())
         return record
 

@@ -26,6 +26,8 @@ class OffloadReport(Protocol):
     last_step: Any
     #: How many CPU update threads, and why (the run record keeps it).
     update_threads_reason: str
+    #: The activation plan taken, in words (``4 on the host, 20 recomputed, 8 kept on the device``): what ``auto`` chose.
+    activation_plan_taken: str
 
     def host_state_bytes(self) -> int:
         """This rank's host buffers (weights, moments, gradients, staging), as allocated."""

@@ -165,6 +165,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         self.speculative_update, self.gradient_slots = speculative_update, gradient_slots
         self.pin_memory, self.host_memory_gb = pin_memory, host_memory_gb
         self.engine: SlideEngine | None = None
+        self.activation_plan_taken = ""  # in words, once the model is placed (OffloadReport)
         self.host: HostState | None = None
         self.adam: CpuAdam | None = None
         self.host_state_dict: HostStateDict | None = None
@@ -303,6 +304,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         )
         activations = plan.activations(len(blocks), lambda: placed_costs(module, plan, window, sizes, self.host_memory_gb))
         self.recomputed_blocks = tuple(activations.blocks("recompute"))
+        self.activation_plan_taken = activations.describe()
         self.engine = SlideEngine(
             network, blocks, layouts, window, gradients, transfers, activations, self.activation_offload == "cpu", pin,
             plan.schedule,
@@ -311,7 +313,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             compile_forwards(blocks, device)
         rank_zero_info(f"SlideFSDP: {self.host.describe(compute, shards, pin)}; device window {self.window} blocks; "
                        f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}; activations: "
-                       f"{activations.describe()}")
+                       f"{self.activation_plan_taken}")
 
     def unsteady_steps(self) -> int:
         """The delayed update's synchronous warm-up (``delayed_update_warmup``)."""

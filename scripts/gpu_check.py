@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py --out gpu_out                     # the default plan, within --budget seconds
     python scripts/gpu_check.py --out gpu_out --steps slide_fsdp  # other steps, or continue where a window stopped
+    python scripts/gpu_check.py --out gpu_out --steps first_window --budget 540  # each path no GPU has run, once
     python scripts/gpu_check.py --device cpu --out /tmp/check     # tiny sizes, every step's code path (CI)
 
 Each step runs in its own process group under its own deadline (the smaller of the step's and what is left of
@@ -37,7 +38,7 @@ import gpu_fit
 from gpu_fit import HOST_MEMORY_VARIABLE, ROOT, WARMUP_STEPS, WARMUP_VARIABLE, Record
 from gpu_probe import versions
 from gpu_report import bring_back, runs, runs_table, steps_table
-from gpu_steps import PLAN, PLAN_BUDGET, STEPS
+from gpu_steps import PLAN, PLAN_BUDGET, PLANS, STEPS
 
 
 def run_step(name: str, deadline: float, device: str, work: Path, log: Any) -> dict[str, Any]:
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="folder for summary.json, check.log, hardware.json")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda: the real check; cpu: tiny sizes (CI)")
     parser.add_argument("--steps", default=",".join(PLAN),
-                        help=f"comma-separated, in order (default: {', '.join(PLAN)}); of {', '.join(STEPS)}")
+                        help=f"comma-separated, in order (default: {', '.join(PLAN)}), or a plan's name "
+                             f"({', '.join(PLANS)}); of {', '.join(STEPS)}")
     parser.add_argument("--budget", type=float, default=float(PLAN_BUDGET),
                         help="seconds for all steps together (default: the default plan's deadlines added up)")
     parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return child_main(args.child, args.device, args.work)
     if args.warmup_steps < 0:
         parser.error(f"--warmup-steps {args.warmup_steps}: must be 0 or more (optimizer steps left out of every rate)")
-    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    steps = [name for s in args.steps.split(",") if s.strip() for name in PLANS.get(s.strip(), (s.strip(),))]
     unknown = [s for s in steps if s not in STEPS]
     if unknown:
         parser.error(f"unknown step {unknown[0]!r}; steps are {', '.join(STEPS)}")

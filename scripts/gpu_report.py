@@ -39,7 +39,8 @@ RUN_COLUMNS = (("left out", "warmup_steps_left_out", "d"), ("measured", "steps_m
 def runs_table(records: list[dict[str, Any]]) -> str:
     """The measured runs' rates, the first steps left out (the column says how many), ``n/a`` for a figure the run's
     record does not hold; update GB/s is ``estimate``'s bytes over the measured update time."""
-    lines = [f"{'run':<20}" + "".join(f"{heading:>{max(len(heading), 8) + 2}}" for heading, _, _ in RUN_COLUMNS)]
+    width = max([18, *(len(name) for name, run in runs(records) if "figures" in run)]) + 2
+    lines = [f"{'run':<{width}}" + "".join(f"{heading:>{max(len(heading), 8) + 2}}" for heading, _, _ in RUN_COLUMNS)]
     for name, run in runs(records):
         if "figures" not in run:
             continue
@@ -47,14 +48,15 @@ def runs_table(records: list[dict[str, Any]]) -> str:
         for heading, key, form in RUN_COLUMNS:
             value = run["figures"].get(key)
             cells.append(f"{'n/a' if value is None else format(value, form):>{max(len(heading), 8) + 2}}")
-        lines.append(f"{name:<20}" + "".join(cells))
+        lines.append(f"{name:<{width}}" + "".join(cells))
     return "\n".join(lines)
 
 
 def steps_table(records: list[dict[str, Any]]) -> str:
     """A line a step: its status, seconds, and the record's plain figures (and its summary's rates), cut at 400
     characters."""
-    lines = [f"{'step':<20}{'status':<9}{'s':>7}  figures"]
+    width = max([18, *(len(r["step"]) for r in records)]) + 2
+    lines = [f"{'step':<{width}}{'status':<9}{'s':>7}  figures"]
     for r in records:
         shown = {k: v for k, v in r.items() if k not in ("step", "status", "rc", "seconds", "versions", "hardware", "cpu",
                                                          "nvidia_smi", "failed") and not isinstance(v, (dict, list))}
@@ -62,5 +64,5 @@ def steps_table(records: list[dict[str, Any]]) -> str:
             shown.update({k: v for k, v in r["summary"].items()
                           if k in ("warmup_steps_left_out", "tokens_per_s", "mfu") or "hidden" in k})
         text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
-        lines.append(f"{r['step']:<20}{r['status']:<9}{r['seconds']:>7.1f}  {text[:400]}")
+        lines.append(f"{r['step']:<{width}}{r['status']:<9}{r['seconds']:>7.1f}  {text[:400]}")
     return "\n".join(lines)

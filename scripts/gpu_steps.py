@@ -237,6 +237,30 @@ def eight_b_8k(*overlays: Callable[[str], dict[str, Any]]) -> Fit:
     return Fit(EIGHT_B_8K, overlay, steps=10, cpu_steps=3, offload=True)
 
 
+#: The first window's steps: each path no GPU has run yet, once, on FIRST_BLOCKS of the 8B's blocks at 4 x 2048
+#: (llama-tiny's 2 on the CPU), each under a deadline of its own so that a defect costs its step, not the window.
+FIRST_BLOCKS = 2
+HOST_BLOCKS = {"trainer": {"strategy": {"init_args": {"activation_plan": {"host": FIRST_BLOCKS},
+                                                       "activation_checkpointing": 0, "activation_offload": "none"}}}}
+DEVICE_SUMS = {"trainer": {"accumulate_grad_batches": 2, "strategy": {"init_args": {"accumulate_on": "device"}}}}
+BF16_MASTER = {"trainer": {"strategy": {"init_args": {"master_dtype": "bfloat16"}}}}
+#: Clipping at a norm every gradient exceeds: each speculated update is rolled back and applied again, clipped.
+ROLLBACK = {"trainer": {"gradient_clip_val": 1.0e-6,
+                        "strategy": {"init_args": {"delayed_update": False, "speculative_update": True}}}}
+
+
+def first_window(*overlays: dict[str, Any] | Callable[[str], dict[str, Any]]) -> Fit:
+    """configs/llama_8b_offload.yaml on ``FIRST_BLOCKS`` blocks at 4 x 2048 with ``overlays`` laid over it in order
+    (a callable is given the device); 3 steps measured after the warm-up (3 on the CPU)."""
+    def overlay(device: str) -> dict[str, Any]:
+        merged = merge(as_shipped(device, layers=FIRST_BLOCKS),
+                       {"data": {"init_args": {"batch_size": 4}}} if device == "cuda" else {})
+        for extra in overlays:
+            merged = merge(merged, extra(device) if callable(extra) else extra)
+        return merged
+    return Fit(EIGHT_B, overlay, steps=3, cpu_steps=3, offload=True)
+
+
 def fsdp2_1b(**settings: Any) -> Fit:
     """configs/llama_1b.yaml with ``one_b``'s ``settings``, 28 steps measured after the warm-up."""
     return Fit(ONE_B, partial(one_b, **settings), steps=28)
@@ -432,6 +456,23 @@ STEPS: dict[str, Step] = {step.name: step for step in (
                  "peaks, the lowest MemAvailable"),
     Step("fsdp2_1b", fsdp2_1b(), 110, default=True,
          records="configs/llama_1b.yaml as shipped with its 128k vocabulary: tokens/s, MFU, device peak"),
+    Step("first_host_blocks_compiled", first_window(HOST_BLOCKS), 120,
+         records="the first window: 2 of the 8B's blocks with their activations saved in pinned host memory, compiled "
+                 "blocks (saved tensors' strides, one registered region per block): the losses and step times"),
+    Step("first_host_blocks_eager", first_window(HOST_BLOCKS, EAGER), 50,
+         records="the first window: the same host blocks with eager blocks (the attention backend's saved layout)"),
+    Step("first_device_sums", first_window(DEVICE_SUMS), 60,
+         records="the first window: 2 micro-batches summed on the device in one buffer allocated at placement"),
+    Step("first_bf16_master", first_window(BF16_MASTER), 50,
+         records="the first window: the bfloat16 master in the staging copy, rounded stochastically"),
+    Step("first_float8", first_window(lambda device: float8(device)), 60,
+         records="the first window: --model.float8 tensorwise on the blocks' linear layers (torchao as a wheel)"),
+    Step("first_speculative_rollback", first_window(ROLLBACK), 50,
+         records="the first window: the speculative update with clipping that fires every step: each speculated "
+                 "update rolled back and applied again"),
+    Step("first_auto_plan", first_window(AUTO_PLAN), 60,
+         records="the first window: activation_plan auto on the placed run (the host's room counted once): the plan "
+                 "taken"),
     Step("eight_b_synchronous", eight_b(lambda device: merge(as_shipped(device), SYNCHRONOUS)), 320,
          requires="slide_fsdp",
          records="the shipped 8B with the synchronous update (clipped after the backward): eight_b's figures, what "
@@ -509,5 +550,10 @@ STEPS: dict[str, Step] = {step.name: step for step in (
 #: deadlines add up to PLAN_SECONDS at most, so the plan fits one device call; the other steps (the 8B's other update
 #: modes first) are named with --steps.
 PLAN = tuple(name for name, step in STEPS.items() if step.default)
+#: The first window after code no GPU has run: the probe and each new path once at small scale, before the 8B's
+#: steps (``--steps first_window``); its deadlines add up to PLAN_SECONDS at most too.
+FIRST_WINDOW = ("probe", *(name for name in STEPS if name.startswith("first_")))
+#: Plans ``--steps`` takes by name.
+PLANS = {"default": PLAN, "first_window": FIRST_WINDOW}
 PLAN_SECONDS = 540  # a device call's 10 minutes, less a minute for the wheels' install, Python's start and the copy back
 PLAN_BUDGET = sum(STEPS[name].deadline for name in PLAN)  # --budget's default

@@ -55,6 +55,11 @@ def test_every_step_runs_in_cpu_mode_and_leaves_its_records(tmp_path):
     assert len(eight_b["step_times_ms"]) == 3 and eight_b["step_time_ms_p10"] <= eight_b["step_time_ms_p90"]
     assert eight_b["offload_cpu_update_gbps"] > 0 and eight_b["min_mem_available_gib"] > 0
     assert {"offload_device_idle_ms", "offload_cpu_update_hidden_share", "offload_cpu_update_hideable_share"} <= set(eight_b)
+    # the first window's steps: each new path ran, the rollback's forced and the plan auto took recorded
+    assert set(gpu_steps.PLANS["first_window"][1:]) <= set(measured)
+    assert runs["first_speculative_rollback"]["result"]["offload_rollback_share"] == 1.0
+    assert "recomputed" in runs["first_auto_plan"]["result"]["offload_activation_plan"]
+    assert runs["eight_b_float8"]["same_run_as"] == "eight_b" or "torchao" in sys.modules  # one CPU run, two records
     lines = done.stdout.splitlines()
     runs_table = lines.index("Training runs; every rate leaves out the first 2 optimizer steps of its run:")
     assert "left out" in lines[runs_table + 1] and lines[runs_table + 2].split()[:2] == ["eight_b", "2"]
@@ -76,6 +81,10 @@ def test_the_default_plan_fits_one_device_call_and_gives_each_step_more_than_its
     assert gpu_steps.PLAN[0] == "probe" and {"eight_b", "fsdp2_1b"} <= set(gpu_steps.PLAN)
     assert gpu_steps.PLAN_BUDGET == sum(gpu_steps.STEPS[name].deadline for name in gpu_steps.PLAN) <= gpu_steps.PLAN_SECONDS
     assert gpu_steps.PLAN_SECONDS <= 540  # nine minutes of a device call's ten
+    # the first window after untried code: the probe, then every first_ step, within one device call too
+    first = gpu_steps.PLANS["first_window"]
+    assert first[0] == "probe" and len(first) >= 8 and all(name.startswith("first_") for name in first[1:])
+    assert sum(gpu_steps.STEPS[name].deadline for name in first) <= gpu_steps.PLAN_SECONDS
     timed = {name: recorded[RECORDED_AS.get(name, name)] for name in gpu_steps.PLAN if RECORDED_AS.get(name, name) in recorded}
     assert set(gpu_steps.PLAN) <= set(timed)
     short = {name: (gpu_steps.STEPS[name].deadline, seconds) for name, seconds in timed.items()
@@ -158,7 +167,7 @@ def test_a_step_past_its_deadline_is_reported_with_what_it_recorded_and_the_next
 
 
 @pytest.mark.parametrize(("arguments", "message"), [
-    (["--steps", "probe,warp"], "unknown step 'warp'; steps are probe, eight_b, fsdp2_1b, eight_b_synchronous"),
+    (["--steps", "probe,warp"], "unknown step 'warp'; steps are probe, eight_b, fsdp2_1b, first_host_blocks_compiled"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--warmup-steps", "-1"], "--warmup-steps -1: must be 0 or more (optimizer steps left out of every rate)"),
     pytest.param(["--device", "cuda"], "--device cuda but torch sees no CUDA device; use --device cpu",
