@@ -8,10 +8,13 @@ pins what each name must provide.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.multiprocessing.reductions import StorageWeakRef
 
 #: the oldest torch release lit_fsdp supports and tests (pyproject.toml asks for it; CI runs the distributed tests on it)
 TORCH_FLOOR = (2, 11)
@@ -20,7 +23,7 @@ TORCH_NEWEST_TESTED = (2, 14)
 
 __all__ = [
     "AllGather", "ReduceScatter", "CheckpointImpl", "checkpoint_wrapper", "TORCH_FLOOR", "TORCH_NEWEST_TESTED",
-    "all_gather_bytes", "bf16_native", "torch_version", "kineto_events", "allocation_events",
+    "all_gather_bytes", "bf16_native", "torch_version", "kineto_events", "allocation_events", "storage_weak_ref",
 ]
 
 
@@ -91,3 +94,11 @@ def allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int,
     return sorted((n.start_time_ns, n.typed[1].ptr, n.typed[1].alloc_size,
                    None if n.parent is None else (n.parent.start_time_ns, n.parent.name))
                   for n in nodes if n.typed[0].name == "Allocation")
+
+
+def storage_weak_ref(tensor: torch.Tensor) -> Callable[[], torch.UntypedStorage | None]:
+    """A weak reference to ``tensor``'s storage, which its views share: called, the storage while it lives, else None.
+    torch's multiprocessing keeps storages so (``StorageWeakRef``); taking one back is its private
+    ``UntypedStorage._new_with_weak_ptr``, in 2.11 to 2.14."""
+    weak = StorageWeakRef(tensor.untyped_storage())
+    return lambda: torch.UntypedStorage._new_with_weak_ptr(weak.cdata)

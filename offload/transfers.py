@@ -5,11 +5,9 @@ they overlap compute; each copy returns a CUDA event that the consumer waits on 
 host is not blocked). On a CPU "device" the same calls copy in place and return no event: the code
 paths are the ones a GPU run takes, with the streams as no-ops.
 
-**Emulated asynchronous copies** (CPU, for tests): with ``LIT_FSDP_EMULATED_COPY_DELAY_MS=<ms>`` each
-direction's copies run in order on a thread of their own (the "stream"), each after a seeded random delay
-of up to that many milliseconds, and events are futures that complete when the stream reaches them. The
-computing thread stands for the compute stream: waiting on an event blocks it. A missing wait, or a buffer
-reused before its copy ran, then changes the numbers, as it would on a GPU.
+**Emulated asynchronous copies** (CPU, for tests): with ``LIT_FSDP_EMULATED_COPY_DELAY_MS=<ms>`` the copy streams
+and the compute stream are stand-ins (``offload.emulated_streams``), and the ordering code below is the GPU's, called
+on them: removing one ordering removes it from the emulation too, and the losses change as they would on a GPU.
 
 **The backward's clock** (``BackwardClock``): what the CPU updates hide is measured against the device's
 backward, not the host's. The host's backward is stretched by its waits for a free gradient buffer (a CPU-bound step
@@ -21,40 +19,19 @@ once the step has waited for its CPU updates. On a CPU "device" the computing th
 from __future__ import annotations
 
 import os
-import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from offload.emulated_streams import DeviceMemory, EmulatedCompute, EmulatedStream, garbage
+
 Event = torch.cuda.Event | Future | None
 EMULATED_DELAY_VARIABLE = "LIT_FSDP_EMULATED_COPY_DELAY_MS"
-
-
-class EmulatedStream:
-    """A CPU stand-in for a CUDA stream: work submitted runs in order on one thread, each copy after a random delay."""
-
-    def __init__(self, name: str, max_delay_s: float, seed: int):
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lit_fsdp_{name}_copies")
-        self._random = random.Random(seed)
-        self.max_delay_s = max_delay_s
-
-    def copy(self, work: Callable[[], None]) -> Future:
-        delay = self._random.uniform(0, self.max_delay_s)  # drawn on the submitting thread: reproducible order
-        return self._thread.submit(lambda: (time.sleep(delay), work()))
-
-    def wait_for(self, event: Event) -> None:
-        """Later work on this stream starts after ``event`` (the host does not block)."""
-        if isinstance(event, Future):
-            self._thread.submit(event.result)
-
-    def record(self) -> Future:
-        """An event that completes when the work submitted so far has run."""
-        return self._thread.submit(lambda: None)
 
 
 @dataclass(frozen=True)
@@ -170,10 +147,13 @@ class Transfers:
         if emulated_delay_ms is None and os.environ.get(EMULATED_DELAY_VARIABLE):
             emulated_delay_ms = float(os.environ[EMULATED_DELAY_VARIABLE])
         self.emulated = None
+        self.compute: EmulatedCompute | None = None  # the emulated compute stream (a GPU's is the current stream)
         if not self.on_cuda and emulated_delay_ms is not None:
             seed = int(os.environ.get("RANK", "0"))
             self.emulated = {direction: EmulatedStream(direction, emulated_delay_ms / 1000, seed * 2 + index)
                              for index, direction in enumerate(("h2d", "d2h"))}
+            self.h2d_stream, self.d2h_stream = self.emulated["h2d"], self.emulated["d2h"]
+            self.compute = EmulatedCompute(emulated_delay_ms / 1000, (1 << 16) + seed)
         self._on_stream = threading.local()  # the emulated stream this thread queues on (None: compute)
         self._lock = threading.Lock()
         self.totals = TransferTotals()
@@ -184,30 +164,44 @@ class Transfers:
         """Work queued inside runs on the host-to-device stream, after ``after`` (e.g. the last use of a buffer) and,
         with ``after_compute``, after the compute queued so far (the copy writes into memory the compute stream's
         allocator handed out, which its queued work may still read)."""
-        if self.emulated is not None:
-            stream = self.emulated["h2d"]
-            stream.wait_for(after)
-            self._on_stream.current = stream
-            try:
-                yield
-            finally:
-                self._on_stream.current = None
-            return
-        if not self.on_cuda:
+        if self.h2d_stream is None:  # a CPU device without emulation: copies in place
             yield
             return
         if after_compute:
-            self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.h2d_stream):
+            self.h2d_stream.wait_stream(self._compute_stream())
+        with self._on(self.h2d_stream):
             if after is not None:
                 self.h2d_stream.wait_event(after)
             yield
 
+    def _compute_stream(self) -> torch.cuda.Stream | EmulatedCompute:
+        return self.compute if self.emulated is not None else torch.cuda.current_stream(self.device)
+
+    @contextmanager
+    def _on(self, stream: torch.cuda.Stream | EmulatedStream) -> Iterator[None]:
+        """Work queued inside goes to ``stream``."""
+        if self.emulated is None:
+            with torch.cuda.stream(stream):
+                yield
+            return
+        self._on_stream.current = stream
+        try:
+            yield
+        finally:
+            self._on_stream.current = None
+
+    def _record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream | EmulatedStream) -> None:
+        """The caching allocator must not hand out device ``tensor``'s memory before ``stream`` ran what is queued."""
+        if self.emulated is None:
+            tensor.record_stream(stream)
+        else:
+            stream.hold(tensor)
+
     def read_by_h2d(self, tensor: torch.Tensor) -> None:
         """The caching allocator must not hand out device ``tensor``'s memory again before the host-to-device copies
-        queued so far ran (one written there, should it be freed unread). The emulation's copies hold a reference."""
-        if self.on_cuda:
-            tensor.record_stream(self.h2d_stream)
+        queued so far ran (one written there, should it be freed unread)."""
+        if self.h2d_stream is not None:
+            self._record_stream(tensor, self.h2d_stream)
 
     def order_after_copies(self) -> None:
         """Inside ``on_h2d_stream``: the host-issued work that follows (a collective) needs the copies queued so far.
@@ -238,22 +232,20 @@ class Transfers:
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         """Copy ``src`` (device, just computed) into ``dst`` (pinned host) on the D2H stream; returns its event."""
-        if self.emulated is not None:
-            return self.emulated["d2h"].copy(lambda: self._copy_now("d2h", dst, src))
-        if not self.on_cuda:
-            self._copy("d2h", dst, src)
+        if self.d2h_stream is None:  # a CPU device without emulation: in place
+            self._copy_now("d2h", dst, src)
             return None
-        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.d2h_stream):
+        self.d2h_stream.wait_stream(self._compute_stream())  # src is written by the compute queued so far
+        with self._on(self.d2h_stream):
             self._copy("d2h", dst, src)
             done = self.record()
-        src.record_stream(self.d2h_stream)  # the caching allocator must not reuse src before the copy ran
+        self._record_stream(src, self.d2h_stream)  # the caching allocator must not reuse src before the copy ran
         return done
 
     def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
         stream = getattr(self._on_stream, "current", None)
         if stream is not None:
-            stream.copy(lambda: self._copy_now(direction, dst, src))
+            self._emulated_copy(stream, direction, dst, src)
             return
         if not self.on_cuda:
             self._copy_now(direction, dst, src)
@@ -264,6 +256,25 @@ class Transfers:
         end.record()
         self.totals._timed.append((direction, start, end))
         self._count(direction, src.numel() * src.element_size(), 0.0)
+
+    def _emulated_copy(self, stream: EmulatedStream, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue the copy on ``stream``, holding the device side only as the allocator would (``DeviceMemory``)."""
+        host, device = (dst, DeviceMemory(src)) if direction == "d2h" else (src, DeviceMemory(dst))
+        nbytes = src.numel() * src.element_size()
+
+        def work(source_written: bool) -> None:  # references no device tensor: the owner's frees are seen
+            began = time.perf_counter()
+            memory = device.get()
+            if direction == "d2h":
+                if memory is None or not source_written:
+                    garbage(host)  # the source is not computed yet, or its memory went to another tensor
+                else:
+                    host.copy_(memory)
+            elif memory is not None:  # freed unread: the bytes would land in the memory's next owner (not emulated)
+                memory.copy_(host)
+            self._count(direction, nbytes, time.perf_counter() - began)
+
+        stream.copy(work, self.compute if direction == "d2h" else None)
 
     def _copy_now(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
         began = time.perf_counter()
@@ -277,10 +288,13 @@ class Transfers:
             setattr(totals, f"{direction}_s", getattr(totals, f"{direction}_s") + seconds)
 
     def record(self) -> Event:
-        """An event at the current point of the current stream (None on CPU, where the computing thread is the stream)."""
+        """An event at the current point of the current stream (None on a CPU device without emulation, where the
+        computing thread is the stream)."""
         stream = getattr(self._on_stream, "current", None)
         if stream is not None:
             return stream.record()
+        if self.compute is not None:
+            return self.compute.record()
         if not self.on_cuda:
             return None
         event = torch.cuda.Event(blocking=True)  # the worker thread waits on it: sleep, do not spin a core

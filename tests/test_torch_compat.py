@@ -4,6 +4,7 @@ reaches past them."""
 from __future__ import annotations
 
 import ast
+import gc
 import importlib
 import os
 import re
@@ -23,7 +24,7 @@ from tests.distributed import run
 ROOT = Path(__file__).resolve().parents[1]
 #: private or version-sensitive torch names: only compress/torch_compat.py may use them
 PRIVATE = re.compile(r"_fsdp_api|algorithms\._checkpoint|kineto_results|all_gather_single|reduce_scatter_single|is_bf16_supported\(|"
-                     r"torch\.distributed\.fsdp\._")
+                     r"torch\.distributed\.fsdp\._|_new_with_weak_ptr|StorageWeakRef")
 
 
 #: private Lightning names (``from lightning.x import _y``, ``lightning.x._y``): only lit_fsdp/lightning_compat.py may use them
@@ -209,3 +210,14 @@ def test_checkpoint_wrapper_recomputes_the_forward_in_backward():
     x = torch.ones(2, 4, requires_grad=True)
     wrapped(x).sum().backward()
     assert block.calls == 2 and torch.allclose(x.grad, 1 - torch.tanh(torch.ones(2, 4)) ** 2)
+
+
+def test_a_weak_storage_reference_gives_the_storage_while_a_view_lives_and_none_once_it_is_freed():
+    tensor = torch.arange(6.0)
+    view = tensor[2:]
+    weak = torch_compat.storage_weak_ref(view)
+    del tensor
+    assert weak() is not None and weak().data_ptr() == view.untyped_storage().data_ptr()  # the view keeps it
+    del view
+    gc.collect()
+    assert weak() is None
