@@ -201,14 +201,16 @@ def test_a_waiting_rank_waits_while_the_heartbeat_is_fresh_and_stops_when_it_goe
     cache = tmp_path / "cache"
     cache.mkdir()
 
-    def build_for_2_s():  # local rank 0, beating every 0.1 s: a build four times longer than stale_after_s
+    # stale_after_s is 20 beats: each beat is an fsync'ed write from a thread, which a loaded machine (2 shared cores,
+    # checkpoints being written beside) can hold up for most of a second; 5 beats (0.5 s) failed there 1 run in 20.
+    def build_for_4_s():  # local rank 0, beating every 0.1 s: a build twice as long as stale_after_s
         with Heartbeat(cache / "heartbeat"):
-            time.sleep(2)
+            time.sleep(4)
             _write_atomic(cache / "meta.json", json.dumps({"finalized": True, "tokens": 7}))
 
-    builder = threading.Thread(target=build_for_2_s)
+    builder = threading.Thread(target=build_for_4_s)
     builder.start()
-    meta = wait_or_build(cache, lambda _: {}, local_rank=1, poll_seconds=0.1, timeout_s=5, stale_after_s=0.5)
+    meta = wait_or_build(cache, lambda _: {}, local_rank=1, poll_seconds=0.1, timeout_s=60, stale_after_s=2)
     builder.join()
     assert meta == {"finalized": True, "tokens": 7}
 
@@ -216,8 +218,8 @@ def test_a_waiting_rank_waits_while_the_heartbeat_is_fresh_and_stops_when_it_goe
     (cache / "meta.json").unlink()
     started = time.monotonic()
     with pytest.raises(BuilderLostError, match=rf"\(pid {os.getpid()} on .+\) stopped its heartbeat \d+ s ago; rerun"):
-        wait_or_build(cache, lambda _: {}, local_rank=1, poll_seconds=0.1, timeout_s=5, stale_after_s=0.5)
-    assert time.monotonic() - started < 3
+        wait_or_build(cache, lambda _: {}, local_rank=1, poll_seconds=0.1, timeout_s=60, stale_after_s=2)
+    assert time.monotonic() - started < 5  # soon after stale_after_s, not at the timeout
 
 
 def _build_forever(directory: Path) -> None:

@@ -77,9 +77,10 @@ def _slow_pipeline(monkeypatch, update_s: float, slots: int = 2):
                             replicate_group=None, host_group=None, schedule=UpdateSchedule())
 
 
-# cpu_bound's update is 40 times its compute (at 12 times, 0.06 s, the time a loaded machine's scheduler adds to each
-# unit's backward (tens of ms) was counted hidden and pushed its share past 0.3 in 1 run of 20).
-@pytest.mark.parametrize("compute_s, update_s, hidden_share", [(0.005, 0.2, (0.0, 0.3)), (0.06, 0.005, (0.6, 1.0))],
+# Long enough that a loaded machine's scheduling delays (tens of ms on each sleep) do not decide the share: at 5 and
+# 60 ms, the delay added to each backward was counted hidden (cpu_bound: 0.36 > 0.3, 1 run in 16) and the delay
+# added to a 5 ms update, the last above all (never hidden), pushed device_bound under 0.6 (0.37, 0.52: 2 runs in 40).
+@pytest.mark.parametrize("compute_s, update_s, hidden_share", [(0.005, 0.2, (0.0, 0.3)), (0.2, 0.05, (0.6, 1.0))],
                          ids=["cpu_bound", "device_bound"])
 def test_on_cpu_the_computing_threads_waits_for_a_gradient_buffer_hide_no_update(monkeypatch, compute_s, update_s,
                                                                                  hidden_share):
