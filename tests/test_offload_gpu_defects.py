@@ -356,6 +356,40 @@ def test_a_device_slot_is_overwritten_only_after_the_compute_that_read_it(monkey
     assert (params[1] == 2).all()
 
 
+def test_the_roots_reload_waits_for_the_backwards_last_use_of_its_weights(monkeypatch):
+    """After an optimizer step the root is reloaded into its one device buffer, which the backward's last compute may
+    still read (the device runs behind): the reload waits for the event recorded at ``root_used``. On a CPU the host
+    has computed with the old weights by then, so no loss shows a reload that does not wait: this pins it."""
+    import threading
+    from concurrent.futures import Future
+
+    from compress.layout import UnitLayout
+    from offload.residency import DeviceWindow
+
+    params = [torch.nn.Parameter(torch.empty(6, 5)) for _ in range(3)]
+    layouts = [UnitLayout.build(f"unit{u}", [((f"p{u}",), p)], 1, 0) for u, p in enumerate(params)]
+    state = host.HostState(layouts, torch.float32, torch.float32, full_staging=True, keep_gradients=False,
+                           incoming_full=False, ring_size=2, pin=False, shared=None)
+    for unit, staging in enumerate(state.staging):
+        staging.fill_(unit + 1.0)
+    copies = transfers.Transfers(torch.device("cpu"), emulated_delay_ms=1)
+    window = DeviceWindow(layouts, 2, state, copies, 1, torch.float32, torch.device("cpu"), None)
+    window.ensure_root()
+    assert (params[2] == 3).all()
+    last_use = Future()  # the backward's last compute with the root's weights, still queued on the device
+    monkeypatch.setattr(copies.compute, "record", lambda: last_use)
+    window.root_used()
+    state.staging[2].fill_(7.0)  # the update wrote the root's new rows
+    window.root_stale = True
+    reload = threading.Thread(target=window.ensure_root)
+    reload.start()
+    reload.join(timeout=0.2)  # a reload that did not wait lands within a few ms
+    assert reload.is_alive() and (window.root_slot.buffer == 3).all()
+    last_use.set_result(None)
+    reload.join(timeout=10)
+    assert not reload.is_alive() and (params[2] == 7).all()
+
+
 def test_an_offloaded_input_fetched_right_after_its_forward_comes_back_as_it_was_kept(monkeypatch):
     """The last checkpointed block's backward follows its forward at once: its input's copy back to the device must
     wait for its copy to the host, still queued behind the compute that wrote the input (the device runs behind)."""
