@@ -93,7 +93,8 @@ class Throughput(pl.Callback):
         self.world_size = trainer.world_size
         report = strategy_report(trainer)
         self.recompute_flops = report.recompute_flops
-        self.unsteady_steps = max(0, report.unsteady_steps() - trainer.global_step)  # a resumed run may be past them
+        unsteady = report.unsteady_steps()
+        self.unsteady_steps = max(0, unsteady - trainer.global_step) if unsteady else 0  # a resumed run may be past them
         config = getattr(getattr(pl_module, "model", None), "config", None)
         self.model_config, problems = None, []
         if not isinstance(config, PretrainedConfig):

@@ -165,7 +165,6 @@ class SlideFSDPStrategy(CausalLMStrategy):
         self.speculative_update, self.gradient_slots = speculative_update, gradient_slots
         self.pin_memory, self.host_memory_gb = pin_memory, host_memory_gb
         self.engine: SlideEngine | None = None
-        self.activation_plan_taken = ""  # in words, once the model is placed (OffloadReport)
         self.host: HostState | None = None
         self.adam: CpuAdam | None = None
         self.host_state_dict: HostStateDict | None = None

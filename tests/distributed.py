@@ -61,9 +61,10 @@ def fit_in_process(rank: int, world: int, runs: list[list[str]]) -> None:
         cli(arguments)
 
 
-def run(fn: Callable, tmp_path: Path, *args, world: int = 2) -> list:
-    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results (must be picklable)."""
+def run(fn: Callable, tmp_path: Path, *args, world: int = 2, fresh: bool = False) -> list:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results (must be picklable). ``fresh``:
+    each rank a new interpreter that has imported nothing yet (``spawn``), for a test of what happens at import."""
     out = str(tmp_path / "result")
     mp.start_processes(_worker, args=(world, free_port(), fn, out, args, dict(os.environ)), nprocs=world, join=True,
-                       start_method="forkserver")
+                       start_method="spawn" if fresh else "forkserver")
     return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world)]

@@ -133,6 +133,21 @@ def test_a_plan_whose_host_blocks_do_not_fit_the_host_is_refused_before_launch_n
 EIGHT_K = ["--config", "configs/llama_8b_offload_8k.yaml"]
 
 
+def test_estimate_takes_a_plan_of_counts_as_the_config_gives_it(capsys):
+    """``activation_plan: {host: 1, recompute: 31}`` (gpu_check's first window sets counts): estimate plans those
+    blocks, not tune's search of null and auto, and moves the host blocks' tensors both ways over PCIe."""
+    from lit_fsdp.commands.estimate import main
+    from tests.helpers import REPO
+
+    main(["--config", str(REPO / "configs" / "quickstart.yaml"), "--config", str(REPO / "configs" / "llama_8b_offload.yaml"),
+          "--trainer.strategy.init_args.activation_plan", "{host: 1, recompute: 31}",
+          "--tune.hardware", str(REPO / "configs" / "hardware" / "h100_128g.json"), "--json"])
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["activation_plan"] == {"host": 1, "recompute": 31, "keep": 0} and figures["fits"]
+    host_blocks = 65_536 * (8 * 4096 + 4 * 14336) * 2
+    assert figures["h2d_bytes"] == pytest.approx(29.58e9 + host_blocks, rel=1e-3)
+
+
 @pytest.mark.parametrize(("extra", "counts", "mfu", "micro_batches"), [
     ([], {"host": 0, "recompute": 32, "keep": 0}, 0.379, 1),
     (["--trainer.strategy.init_args.activation_plan", "auto"], {"host": 3, "recompute": 28, "keep": 1}, 0.390, 1),

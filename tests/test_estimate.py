@@ -23,7 +23,7 @@ from offload.host_memory import GIB
 from tests.helpers import REPO, gpu_run_result
 
 sys.path.insert(0, str(REPO / "scripts"))
-import gpu_steps  # noqa: E402
+import gpu_overlays  # noqa: E402
 
 H100 = REPO / "configs" / "hardware" / "h100_128g.json"
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -80,8 +80,8 @@ def test_every_shipped_config_is_estimated_on_the_hardware_it_is_for(tmp_path):
 
 
 EIGHT_B = REPO / "configs" / "llama_8b_offload.yaml"
-#: the settings the first H100 windows measured the 8B with: scripts/gpu_steps.py's control step, as CLI arguments
-EIGHT_B_BEFORE = [argument for name, value in gpu_steps.EIGHT_B_BEFORE.items()
+#: the settings the first H100 windows measured the 8B with: scripts/gpu_overlays.py's control settings, as CLI arguments
+EIGHT_B_BEFORE = [argument for name, value in gpu_overlays.EIGHT_B_BEFORE.items()
                   for argument in (f"--{name}", value if isinstance(value, str) else json.dumps(value))]
 
 

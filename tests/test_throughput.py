@@ -159,7 +159,8 @@ def test_mfu_is_null_with_one_info_line_and_no_warning_when_the_peak_is_unknown(
         warnings.simplefilter("error")  # expected on a CPU: information, not a warning
         callback.on_train_start(trainer, module)
     assert len(said) == 1
-    assert said[0].startswith("Throughput: MFU is null: no peak for 'cpu' in fp32; set the callback's init_args.peak")
+    assert said[0].startswith("Throughput: MFU is null: no peak for 'cpu' in fp32; give one device's peak TFLOPS with "
+                              "--peak_tflops on fit's command line")
     summary = timed(callback, config)
     assert summary["mfu"] is None and summary["peak_tflops"] is None
     assert summary["flops_per_token"] == 983_040

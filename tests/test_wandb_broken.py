@@ -31,7 +31,7 @@ def test_a_wandb_that_fails_to_import_falls_back_to_csv_with_one_line_naming_the
     folder = tmp_path / "run"
     arguments = ["fit", *FAST, "--trainer.max_steps", "3", "--data.batch_size", "2", "--trainer.enable_checkpointing",
                  "false", "--trainer.callbacks", "[]", "--trainer.default_root_dir", str(folder)]
-    run(fit_with_broken_wandb, tmp_path, str(site), [arguments])
+    run(fit_with_broken_wandb, tmp_path, str(site), [arguments], fresh=True)  # wandb not imported before the site
     captured = capfd.readouterr()
     output = captured.out + captured.err
     metrics = folder / "lightning_logs" / "version_0" / "metrics.csv"

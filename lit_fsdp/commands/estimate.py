@@ -239,7 +239,7 @@ def seconds(nbytes: float, gbps: float | None) -> float | None:
 
 def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardware) -> dict[str, Any]:
     """Everything ``estimate`` prints, as one dict (the ``--json`` object)."""
-    candidate = default_candidate(trainer, data)
+    candidate = default_candidate(trainer, data, searched=False)
     run = run_shape(trainer, module, data, hardware)
     config = module.hf_config(datamodule=data)
     strategy = trainer.strategy

@@ -113,8 +113,10 @@ def parse_options(args: Sequence[str]) -> TuneOptions:
     return options
 
 
-def default_candidate(trainer: pl.Trainer, data: Any) -> Candidate:
-    """The configs' own setting of the knobs: the first trial and the reference."""
+def default_candidate(trainer: pl.Trainer, data: Any, searched: bool = True) -> Candidate:
+    """The configs' own setting of the knobs: the first trial and the reference. An activation plan of counts
+    (``{host: 2}``) is a candidate's only where nothing is ``searched`` (``estimate``, which plans the counts itself):
+    tune searches null and auto."""
     strategy = trainer.strategy
     by_class = {path.rsplit(".", 1)[1]: name for name, path in STRATEGY_CLASSES.items()}
     name = by_class.get(type(strategy).__name__)
@@ -123,8 +125,11 @@ def default_candidate(trainer: pl.Trainer, data: Any) -> Candidate:
                          f"{' and '.join(STRATEGY_CLASSES.values())}: start from a config with one of them")
     knobs = {knob: getattr(strategy, knob) for knob in COMMON_KNOBS[1:] + STRATEGY_KNOBS[name] if hasattr(strategy, knob)}
     if isinstance(knobs.get("activation_plan"), dict):
-        raise ValueError(f"the configs' activation_plan is {knobs['activation_plan']}; tune searches null and auto (the "
-                         "plan chosen on the machine): set activation_plan: auto, or remove it")
+        if not searched:  # estimate counts the plan from the strategy's own setting (planned_activations)
+            knobs["activation_plan"] = None
+        else:
+            raise ValueError(f"the configs' activation_plan is {knobs['activation_plan']}; tune searches null and "
+                             "auto (the plan chosen on the machine): set activation_plan: auto, or remove it")
     if name == "fsdp2":
         knobs["compression"] = "none" if strategy.compression is None else strategy.compression.method
         if strategy.sharding == "HYBRID_SHARD" and strategy.replicate_size is None:
