@@ -168,7 +168,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         self.host: HostState | None = None
         self.adam: CpuAdam | None = None
         self.host_state_dict: HostStateDict | None = None
-        self.update_threads_reason = ""  # set with the threads in setup_environment; in the run record
+        self.update_threads_reason = self.activation_plan_taken = ""  # set in setup_environment, place; in the record
 
     # --- before any worker starts ------------------------------------------------------------------
 
