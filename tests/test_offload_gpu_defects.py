@@ -325,12 +325,9 @@ def test_fetched_activations_are_allocated_on_the_compute_stream_and_their_copy_
     assert on_copy_stream == [False, False] and streams.after_compute == [True, True]
 
 
-def test_a_device_slot_is_overwritten_only_after_the_compute_that_read_it(monkeypatch):
-    """A released block's slot may still be read by the compute queued before the release (the device runs behind
-    the host): the next block's load into it waits for the compute stream's event recorded at the release. On a CPU
-    the host has computed with the old weights by then, so no loss can show a load that does not wait: this pins it."""
-    from concurrent.futures import Future, TimeoutError
-
+def emulated_window():
+    """Blocks 0 and 1 and the root (unit 2) of 6 x 5 each, their staging rows filled with unit + 1, one device slot,
+    emulated copies: (the parameters, the host state, the copies, the window)."""
     from compress.layout import UnitLayout
     from offload.residency import DeviceWindow
 
@@ -341,7 +338,16 @@ def test_a_device_slot_is_overwritten_only_after_the_compute_that_read_it(monkey
     for unit, staging in enumerate(state.staging):
         staging.fill_(unit + 1.0)
     copies = transfers.Transfers(torch.device("cpu"), emulated_delay_ms=1)
-    window = DeviceWindow(layouts, 2, state, copies, 1, torch.float32, torch.device("cpu"), None)
+    return params, state, copies, DeviceWindow(layouts, 2, state, copies, 1, torch.float32, torch.device("cpu"), None)
+
+
+def test_a_device_slot_is_overwritten_only_after_the_compute_that_read_it(monkeypatch):
+    """A released block's slot may still be read by the compute queued before the release (the device runs behind
+    the host): the next block's load into it waits for the compute stream's event recorded at the release. On a CPU
+    the host has computed with the old weights by then, so no loss can show a load that does not wait: this pins it."""
+    from concurrent.futures import Future, TimeoutError
+
+    params, state, copies, window = emulated_window()
     window.ensure(0)
     assert (params[0] == 1).all()
     last_use = Future()  # the block's compute, still queued on the device
@@ -363,17 +369,7 @@ def test_the_roots_reload_waits_for_the_backwards_last_use_of_its_weights(monkey
     import threading
     from concurrent.futures import Future
 
-    from compress.layout import UnitLayout
-    from offload.residency import DeviceWindow
-
-    params = [torch.nn.Parameter(torch.empty(6, 5)) for _ in range(3)]
-    layouts = [UnitLayout.build(f"unit{u}", [((f"p{u}",), p)], 1, 0) for u, p in enumerate(params)]
-    state = host.HostState(layouts, torch.float32, torch.float32, full_staging=True, keep_gradients=False,
-                           incoming_full=False, ring_size=2, pin=False, shared=None)
-    for unit, staging in enumerate(state.staging):
-        staging.fill_(unit + 1.0)
-    copies = transfers.Transfers(torch.device("cpu"), emulated_delay_ms=1)
-    window = DeviceWindow(layouts, 2, state, copies, 1, torch.float32, torch.device("cpu"), None)
+    params, state, copies, window = emulated_window()
     window.ensure_root()
     assert (params[2] == 3).all()
     last_use = Future()  # the backward's last compute with the root's weights, still queued on the device
