@@ -99,26 +99,32 @@ def eight_b(overlay: Callable[[str], dict[str, Any]]) -> Fit:
     return Fit(EIGHT_B, overlay, steps=10, cpu_steps=3, offload=True)
 
 
-def eight_b_8k(*overlays: Callable[[str], dict[str, Any]]) -> Fit:
-    """configs/llama_8b_offload_8k.yaml past its warm-up with ``overlays`` laid over it in order."""
-    def overlay(device: str) -> dict[str, Any]:
-        merged = merge(as_shipped(device), PAST_WARMUP)
-        for extra in overlays:
-            merged = merge(merged, extra(device))
-        return merged
-    return Fit(EIGHT_B_8K, overlay, steps=10, cpu_steps=3, offload=True)
+Overlay = dict[str, Any] | Callable[[str], dict[str, Any]]  # a callable is given the device
 
 
-def first_window(*overlays: dict[str, Any] | Callable[[str], dict[str, Any]]) -> Fit:
-    """configs/llama_8b_offload.yaml past its synchronous warm-up on ``FIRST_BLOCKS`` blocks at 4 x 2048 with
-    ``overlays`` laid over it in order (a callable is given the device); 3 steps measured after the warm-up."""
+def laid_over(base: Callable[[str], dict[str, Any]], overlays: tuple[Overlay, ...]) -> Callable[[str], dict[str, Any]]:
+    """The overlay ``base(device)`` with ``overlays`` laid over it in order."""
     def overlay(device: str) -> dict[str, Any]:
-        merged = merge(merge(as_shipped(device, layers=FIRST_BLOCKS), PAST_WARMUP),
-                       {"data": {"init_args": {"batch_size": 4}}} if device == "cuda" else {})
+        merged = base(device)
         for extra in overlays:
             merged = merge(merged, extra(device) if callable(extra) else extra)
         return merged
-    return Fit(EIGHT_B, overlay, steps=3, cpu_steps=3, offload=True)
+    return overlay
+
+
+def eight_b_8k(*overlays: Overlay) -> Fit:
+    """configs/llama_8b_offload_8k.yaml past its warm-up with ``overlays`` laid over it in order."""
+    past_warmup = laid_over(as_shipped, (PAST_WARMUP,))
+    return Fit(EIGHT_B_8K, laid_over(past_warmup, overlays), steps=10, cpu_steps=3, offload=True)
+
+
+def first_window(*overlays: Overlay) -> Fit:
+    """configs/llama_8b_offload.yaml past its synchronous warm-up on ``FIRST_BLOCKS`` blocks at 4 x 2048 with
+    ``overlays`` laid over it in order; 3 steps measured after the warm-up."""
+    four_sequences = {"data": {"init_args": {"batch_size": 4}}}
+    small = laid_over(partial(as_shipped, layers=FIRST_BLOCKS),
+                      (PAST_WARMUP, lambda device: four_sequences if device == "cuda" else {}))
+    return Fit(EIGHT_B, laid_over(small, overlays), steps=3, cpu_steps=3, offload=True)
 
 
 def fsdp2_1b(**settings: Any) -> Fit:
