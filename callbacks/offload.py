@@ -28,11 +28,13 @@ class OffloadStats(pl.Callback):
     time, a device backward far below it, and a low hidden share. Beside them: the device's idle time inside
     the backward (``device_idle_ms``), the hideable share (device backward / update: what the update could
     hide under the backward alone) and the host's wait for updates at the optimizer step (``update_wait_ms``); with
-    ``speculative_update``, the steps rolled back at their validation (``rollbacks``, ``rollback_share``, and
+    ``update: forward`` or ``split``, how long the step's forward waited for the last step's updates after the norm
+    (``forward_wait_ms``) and the share of the trained rows speculated (``speculated_share``, 0 without a split); with
+    ``update: speculative`` or ``split``, the steps rolled back at their validation (``rollbacks``, ``rollback_share``, and
     ``rollback_ms``, the mean time of one's undo and redo; the summary counts the warm-up steps too). On a CPU "device" the computing
     thread is the device: host times, its waits for a buffer left out of the device's. The record also
     gets the node's host state (master weights, moments, staging copy, kept gradients, activations) in
-    GB and per billion parameters, the update threads and the activation plan taken.
+    GB and per billion parameters, the update threads, the activation plan and the update taken.
     """
 
     def __init__(self, warmup_steps: int = 2):
@@ -56,12 +58,12 @@ class OffloadStats(pl.Callback):
             return
         step = offload.last_step
         self.steps.append(step)
-        figures = {**self._figures([step]), **self._rollbacks([step])}
+        figures = {**self._figures([step]), **self._rollbacks([step]), "speculated_share": offload.speculated_share}
         log_metrics(trainer, {f"offload/{key}": value for key, value in figures.items()})
 
     @staticmethod
     def _rollbacks(steps: list[Any]) -> dict[str, float]:
-        """``speculative_update``: the steps undone at their validation (clipping or the guard fired), their share
+        """``update: speculative`` or ``split``: the steps undone at their validation (clipping or the guard fired), their share
         of the steps and the mean time of one (undo and redo)."""
         rolled = [s for s in steps if s.rolled_back]
         return {"rollbacks": len(rolled), "rollback_share": len(rolled) / len(steps),
@@ -87,6 +89,7 @@ class OffloadStats(pl.Callback):
             "cpu_update_hideable_share": (min(1.0, mean(s.device_backward_s for s in steps) / update_s)
                                           if update_s > 0 else 0.0),
             "update_wait_ms": mean(s.update_wait_s for s in steps) * 1000,
+            "forward_wait_ms": mean(s.forward_wait_s for s in steps) * 1000,
         }
 
     def _host_state(self) -> dict[str, float]:
@@ -114,6 +117,8 @@ class OffloadStats(pl.Callback):
         record.update({f"offload_{key}": value for key, value in self._rollbacks(self.steps).items()})  # warm-up too
         record["offload_update_threads"] = offload.update_threads_reason  # how many, and why
         record["offload_activation_plan"] = offload.activation_plan_taken  # what activation_plan auto chose
+        record["offload_update"] = offload.update_taken  # what update: auto chose
+        record["offload_speculated_share"] = offload.speculated_share
         record.update(self._host_state())
         return record
 

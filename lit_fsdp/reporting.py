@@ -28,6 +28,10 @@ class OffloadReport(Protocol):
     update_threads_reason: str
     #: The activation plan taken, in words (``4 on the host, 20 recomputed, 8 kept on the device``): what ``auto`` chose.
     activation_plan_taken: str
+    #: The update schedule taken, in words (``split: the root's head side and the last 12 blocks speculated, ...``).
+    update_taken: str
+    #: Of this rank's trained rows, the share a split speculates (0 without one).
+    speculated_share: float
 
     def host_state_bytes(self) -> int:
         """This rank's host buffers (weights, moments, gradients, staging), as allocated."""

@@ -23,6 +23,7 @@ rows while in cache: the same arithmetic (the same bits for whole pieces), slowe
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +47,9 @@ _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 #: 0.90 and 0.97 with a bfloat16 one (two passes over whole tensors: 0.79); on two threads 1M gave 0.66 for both
 #: (two passes 0.64, 256K 0.77 and 0.75).
 CHUNK = 1_048_576
+#: Milliseconds each unit's update sleeps first where set (CPU tests): a slow host, so that a schedule that loads a unit
+#: before its update is done computes with other weights and shows it (``offload.transfers``' copy delay's companion)
+EMULATED_UPDATE_DELAY_VARIABLE = "LIT_FSDP_EMULATED_UPDATE_DELAY_MS"
 
 
 def adamw_step_in_chunks(param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: dict,
@@ -170,6 +174,7 @@ class CpuAdam:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slide-fsdp-adam",
                                           initializer=torch.cuda.set_device if cuda else None, initargs=(device,) if cuda else ())
         self._pending: list[Future] = []
+        self.emulated_delay_s = float(os.environ.get(EMULATED_UPDATE_DELAY_VARIABLE) or 0) / 1000
         self.update_intervals: list[tuple[float, float]] = []  # (start, end) perf_counter of each update
         self.wait_intervals: list[tuple[float, float]] = []  # (start, end) of the caller's waits for running updates
 
@@ -179,6 +184,11 @@ class CpuAdam:
     def _held_hyperparameters(self, index: int) -> dict:
         group = self.held.param_groups[index]
         return {key: group[key] for key in _HYPERPARAMETERS if key in group}
+
+    def hyperparameters_now(self) -> list[dict]:
+        """The held optimizer's hyperparameters per group as they are now: what an update queued now and run after the
+        scheduler has moved on takes (``update_rows``' ``hyperparameters``)."""
+        return [self._held_hyperparameters(index) for index in range(len(self.held.param_groups))]
 
     def freeze_hyperparameters(self) -> None:
         """Updates from now on take the held optimizer's hyperparameters as they are now, not as they are when the
@@ -213,13 +223,14 @@ class CpuAdam:
                    staging or [None] * len(pieces), grad_scale)
 
     def update_rows(self, unit: int, gradient: torch.Tensor, start: int, stop: int, staging: list[torch.Tensor | None],
-                    grad_scale: float = 1.0) -> None:
+                    grad_scale: float = 1.0, hyperparameters: list[dict] | None = None) -> None:
         """The AdamW step of elements ``[start, stop)`` of ``unit``'s shard (``gradient`` holds theirs, in the shard
         layout, to be multiplied by ``grad_scale``): the parts of the pieces that lie there, padding skipped. A piece's step count advances with its
-        last elements, so the ranges of one step may come in any number of calls, in order."""
+        last elements, so the ranges of one step may come in any number of calls, in order. ``hyperparameters``
+        (``hyperparameters_now``): the step's, taken when it was queued; default: the held optimizer's now."""
         spans = [(index, (first - begins, last - begins), gradient[first - start : last - start])
                  for index, begins, first, last in self.spans(unit, start, stop)]
-        self._step(unit, spans, staging, grad_scale)
+        self._step(unit, spans, staging, grad_scale, hyperparameters)
 
     def spans(self, unit: int, start: int, stop: int) -> list[tuple[int, int, int, int]]:
         """The pieces of ``unit`` that elements ``[start, stop)`` of its shard cover, padding skipped: (piece index,
@@ -233,11 +244,15 @@ class CpuAdam:
         return spans
 
     def _step(self, unit: int, spans: list[tuple[int, tuple[int, int] | None, torch.Tensor]],
-              staging: list[torch.Tensor | None], grad_scale: float = 1.0) -> None:
+              staging: list[torch.Tensor | None], grad_scale: float = 1.0, hyperparameters: list[dict] | None = None
+              ) -> None:
+        if self.emulated_delay_s:
+            time.sleep(self.emulated_delay_s)
         began = time.perf_counter()
         optimizer, pieces = self.optimizers[unit], self.pieces[unit]
         for group in optimizer.param_groups:
-            group.update(self._hyperparameters(group["held_group"]))
+            index = group["held_group"]
+            group.update(hyperparameters[index] if hyperparameters is not None else self._hyperparameters(index))
         with torch.no_grad():
             for index, span, gradient in spans:
                 piece, state = pieces[index], optimizer.state[pieces[index]]
@@ -247,9 +262,11 @@ class CpuAdam:
                                      staging[index], span, grad_scale=grad_scale, rounding=how)
         self.update_intervals.append((began, time.perf_counter()))
 
-    def submit(self, task: Callable[[], None]) -> None:
-        """Run ``task`` on the worker thread after the tasks submitted before it."""
-        self._pending.append(self._worker.submit(task))
+    def submit(self, task: Callable[[], None]) -> Future:
+        """Run ``task`` on the worker thread after the tasks submitted before it; its future."""
+        future = self._worker.submit(task)
+        self._pending.append(future)
+        return future
 
     def failure(self) -> BaseException | None:
         """The error of a submitted task that has failed, without waiting for the others (None: none has)."""

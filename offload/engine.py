@@ -61,6 +61,7 @@ class OffloadStep:
     update_wait_s: float = 0.0  # the host's wait at the optimizer step for CPU updates still running
     rolled_back: bool = False  # a speculative step undone at its validation (clipping or the guard fired)
     rollback_s: float = 0.0  # the undo and the redo of its updates
+    forward_wait_s: float = 0.0  # the step's loads' waits for the last step's ordered updates (``update: forward``)
 
 
 def overlap(interval: tuple[float, float], window: tuple[float, float]) -> float:
@@ -115,6 +116,8 @@ class SlideEngine:
         self.phase = IDLE
         self.accumulating = False  # inside Lightning's block_backward_sync: no update at this backward
         self.schedule = schedule
+        if schedule.behind_forward:
+            window.before_load = gradients.await_update
         self.arrived: list[list[int]] = []  # gradients accumulated per unit and gradient part in the current backward
         self.sent = [0] * len(layouts)  # gradient parts sent per unit in the current backward
         self.last_step: OffloadStep | None = None  # the figures of the last optimizer step
@@ -249,10 +252,10 @@ class SlideEngine:
         self.gradients.send_leftover_sums(update_now=not self.schedule.defer)
         waited = min([time.perf_counter(), *(start for start, _ in adam.wait_intervals)])  # the host's step ended
         adam.wait()  # the gradients of this step have all arrived (and were applied, without clipping or delay)
-        if not self.schedule.delay:
-            for unit in self.gradients.kept_units():  # with clipping: every update, now that the norm is known
-                adam.submit(lambda u=unit: self.gradients.update(u))
-            adam.wait()
+        if self.schedule.ordered:  # queued in forward order, now that the norm is known
+            self.gradients.start_ordered()
+            if not self.schedule.behind_forward:  # synchronous: waited for; else each load waits for its unit
+                adam.wait()
         if self.gradients.parts[self.root]:  # a frozen root stays on the device: the step did not change it
             self.window.root_stale = True
         totals = self.transfers.take_totals()
@@ -261,9 +264,10 @@ class SlideEngine:
         update_s = sum(end - start for start, end in intervals)
         idle = [gap for b in backwards for gap in b.idle]
         waits, adam.wait_intervals = adam.wait_intervals, []
-        if self.schedule.delay and self.step_began is not None:  # hidden: ran while the host drove the device's step
-            step = (self.step_began, waited)
-            hidden = sum(overlap(update, step) - sum(overlap(update, gap) for gap in [*idle, *waits])
+        forward_waits = self.gradients.take_forward_waits()
+        if (self.schedule.delay or self.schedule.behind_forward) and self.step_began is not None:
+            step = (self.step_began, waited)  # hidden: ran while the host drove the device's step
+            hidden = sum(overlap(update, step) - sum(overlap(update, gap) for gap in [*idle, *waits, *forward_waits])
                          for update in intervals)
         else:
             hidden = sum(hidden_update_s(intervals, b.host, b.idle) for b in backwards)
@@ -281,6 +285,7 @@ class SlideEngine:
             device_backward_s=sum(b.device_s for b in backwards),
             device_idle_s=sum(end - start for start, end in idle),
             update_wait_s=sum(end - start for start, end in waits), rolled_back=rolled_back, rollback_s=rollback_s,
+            forward_wait_s=sum(end - start for start, end in forward_waits),
         )
         self.last_step = step
         return step

@@ -30,6 +30,15 @@ backed up first, and keeps the gradient it took (its piece's buffer, or the fp32
 its squared norm to the step's; at the optimizer step ``validate`` lets the step stand, or undoes it and redoes it
 clipped, or undoes it for the guard; then the held buffers go back to the ring.
 
+An ordered update (``UpdateSchedule.ordered``: ``update: forward`` or ``split``) holds each piece in its buffer (or,
+accumulating on the host, adds it to the fp32 copy) and sums its squared norm on arrival; once the norm is known,
+``start_ordered`` queues one task per unit in forward order (the root, then block 0 up) that updates it with the
+clipping coefficient, writing its staging rows, and returns without waiting: the next forward's load of a unit
+waits in ``await_update`` for that unit's task alone (and, with a staging copy shared by the node's ranks, for every
+local rank's, through ``offload.host.SharedMarks``). A split's speculated rows (``offload.update_split``) were updated
+on arrival after a backup; their task undoes and redoes them clipped if clipping fired, else only gives their
+buffers back.
+
 Non-finite gradients (``UpdateSchedule.check_units_finite``): with ``gpu_reduce`` the device sums the reduced shard
 and sends whether the sum is finite as one more element of the copy, so the host reads no gradient twice (on a GPU
 the check costs a reduction at device bandwidth, and no host sync); with ``cpu_reduce`` the host sums it.
@@ -40,6 +49,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import partial
 
+import time
+from concurrent.futures import Future
+
 import torch
 import torch.distributed as dist
 
@@ -47,7 +59,7 @@ from compress.layout import UnitLayout
 from compress.torch_compat import reduce_scatter_flat
 from lit_fsdp.errors import OneLineError
 from offload.cpu_adam import CHUNK, CpuAdam
-from offload.host import HostState
+from offload.host import HostState, SharedMarks
 from offload.host_memory import FLAG_ELEMENTS, pieces
 from offload.schedule import UpdateSchedule
 from offload.speculation import SpeculativeBackup
@@ -119,6 +131,8 @@ class GradientPipeline:
         replicate_group: dist.ProcessGroup | None,
         host_group: dist.ProcessGroup | None,
         schedule: UpdateSchedule,
+        speculated: dict[int, tuple[int, int]] | None = None,
+        marks: SharedMarks | None = None,
     ):
         """
         Args:
@@ -131,6 +145,8 @@ class GradientPipeline:
                 (``take_nonfinite``) for the strategy's guard. With ``delay`` each piece waits in its buffer for the
                 next step's update (module docstring), its squared norm added to ``squared_norm`` on arrival with
                 ``norms_on_arrival``.
+            speculated: ``split``: each speculated unit's rows (``offload.update_split.speculated_units``).
+            marks: With a staging copy the node's ranks share, where each marks the units it has updated (ordered).
         """
         self.layouts, self.host, self.transfers = layouts, host, transfers
         self.gpu_reduce = gpu_reduce
@@ -153,6 +169,12 @@ class GradientPipeline:
         self.stale: set[int] = set()  # units whose master was updated and whose staging rows were not rewritten yet
         self.device_sums = self._device_sums()  # (unit, part): its float32 sum's place on the device
         self.accumulated: dict[tuple[int, int], torch.Tensor] = {}  # (unit, part): this step's sum, once begun
+        self.speculated = speculated if schedule.split else None
+        self.marks = marks
+        self.epoch = 0  # ordered updates queued so far (``start_ordered``): the marks every local rank reaches
+        self.ready: dict[int, Future] = {}  # unit: its ordered update, until a load has waited for it
+        self.forward_waits: list[tuple[float, float]] = []  # (start, end) of the loads' waits for ordered updates
+        self.rollbacks: list[tuple[bool, float]] = []  # a split's rollbacks, as its ordered updates finish
         self.attach(adam)
 
     def _device_sums(self) -> dict[tuple[int, int], torch.Tensor]:
@@ -168,7 +190,8 @@ class GradientPipeline:
     def attach(self, adam: CpuAdam | None) -> None:
         """Update with ``adam`` from now on; a speculative schedule's backup is allocated with it (at setup)."""
         self.adam = adam
-        self.speculation = SpeculativeBackup(adam, self.host) if adam is not None and self.schedule.speculate else None
+        speculates = self.schedule.speculate or self.speculated is not None
+        self.speculation = SpeculativeBackup(adam, self.host, self.speculated) if adam is not None and speculates else None
 
     def reduce_and_offload(self, unit: int, part: int, gradients: list[torch.Tensor | None], update_now: bool,
                            last: bool = True) -> None:
@@ -274,6 +297,13 @@ class GradientPipeline:
             shard = incoming[self.shard_rank * layout.shard_numel : (self.shard_rank + 1) * layout.shard_numel]
             if self.world_size > 1:
                 shard.div_(self.world_size)
+        if self.schedule.ordered and self.host.gradients is None:  # held until the norm; a split's first ones updated now
+            if self.schedule.norms_on_arrival:
+                self.squared_norm += squared_norm(shard)
+            if self.speculation is not None and self.speculation.covers(unit, start, stop):
+                self._step(unit, start, stop, shard, None)
+            self.arriving[unit].append((start, stop, shard, buffer))
+            return
         if self.schedule.delay:
             if self.schedule.norms_on_arrival:
                 self.squared_norm += squared_norm(shard)
@@ -302,18 +332,20 @@ class GradientPipeline:
             self.squared_norm += squared_norm(shard)
             self.arriving[unit].append((start, stop, shard, buffer))
 
-    def update(self, unit: int) -> None:
-        """Apply the kept gradient of ``unit`` (worker thread or idle worker)."""
+    def update(self, unit: int, settings: list[dict] | None = None) -> None:
+        """Apply the kept gradient of ``unit`` (worker thread or idle worker), at ``settings`` (``CpuAdam``'s
+        ``hyperparameters_now``; default: the held optimizer's now)."""
         try:
             if self.speculation is not None:  # the sum of the micro-batches' gradients: its norm only now
                 self.squared_norm += squared_norm(self.host.gradients[unit])
             self._step(unit, 0, self.layouts[unit].shard_numel, self.host.gradients[unit],
-                       self.finite[unit] if self.flag_elements else None)
+                       self.finite[unit] if self.flag_elements else None, settings)
         except Exception as error:
             raise host_update_error(unit, error) from error
         self.received[unit] = 0
 
-    def _step(self, unit: int, start: int, stop: int, gradient: torch.Tensor, finite: bool | None) -> None:
+    def _step(self, unit: int, start: int, stop: int, gradient: torch.Tensor, finite: bool | None,
+              settings: list[dict] | None = None) -> None:
         """Update rows ``[start, stop)`` of ``unit``'s shard and their staging rows in one pass, unless the gradient is not
         finite (``finite``: the device's verdict on its part; None: the host checks with one reduction, no mask the
         size of the gradient)."""
@@ -325,7 +357,7 @@ class GradientPipeline:
                 return
         if self.speculation is not None:
             self.speculation.keep(unit, start, stop, gradient)
-        self.adam.update_rows(unit, gradient, start, stop, self.host.staging_targets(unit))
+        self.adam.update_rows(unit, gradient, start, stop, self.host.staging_targets(unit), hyperparameters=settings)
 
     def take_nonfinite(self) -> int:
         """Units whose update was withheld for non-finite gradients since the last call (after the worker is idle)."""
@@ -340,6 +372,7 @@ class GradientPipeline:
         self.adam.wait()
         if undo and self.speculation is not None:
             self.speculation.undo()
+        self.ready.clear()
         self.accumulated.clear()
         self.received = [0] * len(self.layouts)
         self._release_held()
@@ -360,13 +393,101 @@ class GradientPipeline:
         self._release_held()
         return total
 
+    def ordered_norm(self, max_norm: float | None, norm_group: dist.ProcessGroup | None,
+                     on_nonfinite: str) -> torch.Tensor | None:
+        """An ordered step's global norm from the pieces' squared norms and its clipping coefficient
+        (``delayed_norm``), or, accumulating on the host, the kept gradients' (``clip_kept``); a split's speculated
+        rows are undone now where the norm is not finite and the guard does not let the step through (their redo,
+        when clipping fires, is ``start_ordered``'s)."""
+        if self.host.gradients is not None:
+            return self.clip_kept(max_norm, norm_group)
+        total = self.delayed_norm(max_norm, norm_group)
+        if self.speculation is not None and total is not None and not bool(torch.isfinite(total)) and on_nonfinite != "warn":
+            self.speculation.undo()
+        return total
+
+    def start_ordered(self) -> None:
+        """Queue this step's updates, one task per unit in forward order (the root, then block 0 up), with the
+        clipping coefficient, and return: a load of a unit waits for its task (``await_update``)."""
+        held, self.arriving = self.arriving, [[] for _ in self.layouts]
+        kept = set(self.kept_units()) if self.host.gradients is not None else set()
+        scale, self.scale = self.scale, 1.0
+        settings = self.adam.hyperparameters_now()  # the step's: the scheduler moves on before the updates run
+        redo = self.speculation is not None and not self.speculation.undone and scale < 1.0
+        self.epoch += 1
+        root = len(self.layouts) - 1
+        for unit in [root, *range(root)]:
+            speculated = self.speculation is not None and unit in self.speculation.updates
+            if not (held[unit] or unit in kept or speculated):
+                self._mark(unit)
+                continue
+            self.ready[unit] = self.adam.submit(partial(self._ordered_update, unit, held[unit], unit in kept, scale,
+                                                        redo and speculated, settings))
+        if self.speculation is not None:
+            self.adam.submit(lambda: self.rollbacks.append(self.speculation.end_step()))
+
+    def _ordered_update(self, unit: int, held: list[tuple[int, int, torch.Tensor, torch.Tensor]], kept: bool,
+                        scale: float, redo: bool, settings: list[dict]) -> None:
+        """Worker thread: ``unit``'s update after the norm, at the step's hyperparameters (``settings``): its speculated
+        rows undone and redone clipped (``redo``), its other held pieces (or its kept fp32 gradient, clipped already)
+        applied; its buffers back to the ring."""
+        try:
+            if redo:
+                self.speculation.undo_unit(unit)
+                self.speculation.redo(unit, scale, settings)
+            for start, stop, shard, _ in held:
+                if self.speculation is None or not self.speculation.covers(unit, start, stop):
+                    self.adam.update_rows(unit, shard, start, stop, self.host.staging_targets(unit), grad_scale=scale,
+                                          hyperparameters=settings)
+            if kept:
+                self.update(unit, settings)
+        except Exception as error:
+            raise host_update_error(unit, error) from error
+        finally:
+            for *_, buffer in held:
+                self.host.incoming.release(buffer)
+        self._mark(unit)
+
+    def _mark(self, unit: int) -> None:
+        if self.marks is not None:
+            self.marks.mark(unit, self.epoch)
+
+    def await_update(self, unit: int) -> None:
+        """Before a load of ``unit``: wait for its ordered update (and every local rank's, with a shared staging copy);
+        the wait is kept in ``forward_waits``. Nothing to wait for outside an ordered schedule."""
+        future = self.ready.pop(unit, None)
+        waits = future is not None and not future.done()
+        marked = self.marks is None or self.marks.reached(unit, self.epoch)
+        if not waits and marked:
+            if future is not None:
+                future.result()
+            return
+        began = time.perf_counter()
+        if future is not None:
+            future.result()
+        if not marked:
+            self.marks.wait(unit, self.epoch, self.adam.failure)
+        self.forward_waits.append((began, time.perf_counter()))
+
+    def take_forward_waits(self) -> list[tuple[float, float]]:
+        """The loads' waits for ordered updates since the last call."""
+        waits, self.forward_waits = self.forward_waits, []
+        return waits
+
     def speculation_bytes(self) -> int:
         """Host bytes of the speculative update's backup (0 without one)."""
         return self.speculation.nbytes() if self.speculation is not None else 0
 
     def take_rollback(self) -> tuple[bool, float]:
-        """Whether this step's speculative updates were rolled back, and the seconds it took (redos included)."""
-        return self.speculation.end_step() if self.speculation is not None else (False, 0.0)
+        """Whether this step's speculative updates were rolled back, and the seconds it took (redos included); a
+        split's rollback runs with its ordered updates, behind the next forward: the rollbacks finished since the last
+        call."""
+        if self.speculation is None:
+            return False, 0.0
+        if self.schedule.ordered:
+            done, self.rollbacks = self.rollbacks, []
+            return any(rolled for rolled, _ in done), sum(seconds for _, seconds in done)
+        return self.speculation.end_step()
 
     # --- at the optimizer step -------------------------------------------------------------------
 

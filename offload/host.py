@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import os
 import queue
+import time
 import uuid
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
@@ -145,29 +146,69 @@ def check_shared_memory(nbytes: int) -> None:
         )
 
 
-class SharedStaging:
-    """One file in /dev/shm that the ranks of a node map together: the full-layout staging copy of every unit.
+def map_node_file(name: str, numel: int, dtype: torch.dtype, local_rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """A tensor the ranks of a node map together from one file in /dev/shm: local rank 0 creates and sizes it, every
+    local rank maps it, then local rank 0 unlinks the name: the memory lives while a rank maps it, and nothing is left
+    behind if a rank dies."""
+    path = SHM_DIR / name
+    if local_rank == 0:
+        with open(path, "wb") as f:
+            f.truncate(numel * dtype.itemsize)
+    dist.barrier(group=group)
+    tensor = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+    dist.barrier(group=group)
+    if local_rank == 0:
+        path.unlink()
+    return tensor
 
-    Local rank 0 creates and sizes it, every local rank maps it, then local rank 0 unlinks the name:
-    the memory lives while a rank maps it, and nothing is left behind if a rank dies.
-    """
+
+class SharedStaging:
+    """One file in /dev/shm that the ranks of a node map together: the full-layout staging copy of every unit."""
 
     def __init__(self, numel: int, dtype: torch.dtype, pin: bool, local_rank: int, node_tag: str, group: dist.ProcessGroup):
-        nbytes = numel * dtype.itemsize
-        path = SHM_DIR / f"lit_fsdp_slide_{node_tag}"
         # Every rank checks, before the barrier: a rank that waited there for local rank 0's refusal would wait
         # until the collective timeout. The file is sparse until written, so the ranks see the same free space.
         # The preflight has checked it already, before launch; this catches a /dev/shm that filled up since.
-        check_shared_memory(nbytes)
-        if local_rank == 0:
-            with open(path, "wb") as f:
-                f.truncate(nbytes)
+        check_shared_memory(numel * dtype.itemsize)
+        self.region = HostRegion(map_node_file(f"lit_fsdp_slide_{node_tag}", numel, dtype, local_rank, group), pin)
+
+
+class SharedMarks:
+    """Per local rank and unit, the last ordered update (its epoch) whose rows that rank has written to the node's
+    shared staging copy: a load of a unit waits until every local rank has reached the step's epoch for it. Each
+    cell has one writer; the update's stores precede its mark's (the worker releases and takes the GIL between them,
+    a full memory barrier)."""
+
+    POLL_S = 0.0002
+
+    def __init__(self, units: int, local_rank: int, local_ranks: int, node_tag: str, group: dist.ProcessGroup,
+                 timeout_s: float = 1800.0):
+        marks = map_node_file(f"lit_fsdp_slide_marks_{node_tag}", local_ranks * units, torch.int64, local_rank, group)
+        self.marks = marks.view(local_ranks, units)
+        self.local_rank, self.timeout_s = local_rank, timeout_s
+        self.marks[local_rank].zero_()
         dist.barrier(group=group)
-        tensor = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
-        dist.barrier(group=group)
-        if local_rank == 0:
-            path.unlink()
-        self.region = HostRegion(tensor, pin)
+
+    def mark(self, unit: int, epoch: int) -> None:
+        """This rank's rows of ``unit`` are written for ``epoch``."""
+        self.marks[self.local_rank, unit] = epoch
+
+    def reached(self, unit: int, epoch: int) -> bool:
+        return bool((self.marks[:, unit] >= epoch).all())
+
+    def wait(self, unit: int, epoch: int, failure: Callable[[], BaseException | None]) -> None:
+        """Until every local rank has marked ``unit`` for ``epoch``; raises this rank's update ``failure`` or, after
+        ``timeout_s``, one line naming the ranks that did not."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.reached(unit, epoch):
+            error = failure()
+            if error is not None:
+                raise error
+            if time.monotonic() > deadline:
+                behind = [rank for rank, epochs in enumerate(self.marks[:, unit].tolist()) if epochs < epoch]
+                raise RuntimeError(f"SlideFSDP: local ranks {behind} did not update unit {unit} for step {epoch} within "
+                                   f"{self.timeout_s:.0f} s; look for an error in their logs")
+            time.sleep(self.POLL_S)
 
 
 class BufferRing:

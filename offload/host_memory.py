@@ -35,6 +35,7 @@ class UnitSize:
     parts: tuple[int, ...] = ()
     frozen_full_numel: int = 0
     frozen_shard_numel: int = 0
+    leading_parts: int = 0  # the root's parts used before the blocks (embeddings): their gradients arrive last
 
     @classmethod
     def of(cls, full_numel: int, shards: int, trained: int | None = None) -> "UnitSize":
@@ -47,7 +48,8 @@ class UnitSize:
         """The unit's trained parameters alone: what has a master, moments and gradients."""
         if not self.frozen_full_numel:
             return self
-        return UnitSize(self.full_numel - self.frozen_full_numel, self.shard_numel - self.frozen_shard_numel, self.parts)
+        return UnitSize(self.full_numel - self.frozen_full_numel, self.shard_numel - self.frozen_shard_numel, self.parts,
+                        leading_parts=self.leading_parts)
 
     def part_sizes(self) -> tuple[int, ...]:
         trained = self.trained()
@@ -69,21 +71,25 @@ class HostSetup:
     gradient_slots: int | None = None  # gradient buffers per rank; None: ``gradient_slots`` chooses
     holds_step: bool = False  # delayed_update: a step's gradients wait in their buffers for the next step
     offloaded_activation_bytes: int = 0  # per rank: checkpointed block inputs kept on the host
-    speculate: bool = False  # speculative_update: rows backed up before each update; gradients kept to the step's end
+    speculate: bool = False  # update: speculative: rows backed up before each update; gradients kept to the step's end
     master_dtype: torch.dtype = torch.float32  # the trained parameters' master rows (``master_dtype``)
+    ordered: bool = False  # update: forward or split: each piece held until its update after the norm
+    split_blocks: int | None = None  # update: split: the blocks speculated (``offload.update_split``); None: no split
 
     @classmethod
     def of_knobs(cls, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, optimizer_state_dtype: torch.dtype,
                  processes: int, param_transfer: str, grad_sync: str, window: int, keep_gradients: bool,
                  offloaded_activation_bytes: int = 0, gradient_slots: int | None = None,
                  delayed_update: bool = False, speculate: bool = False,
-                 master_dtype: torch.dtype = torch.float32) -> "HostSetup":
-        """The setup SlideFSDP's knobs give (``offload.SlideFSDPStrategy`` and the tuner's candidates); ``speculate``:
-        the schedule's (``speculative_update`` where clipping or the guard could undo a step)."""
+                 master_dtype: torch.dtype = torch.float32, ordered: bool = False,
+                 split_blocks: int | None = None) -> "HostSetup":
+        """The setup SlideFSDP's knobs give (``offload.SlideFSDPStrategy`` and the tuner's candidates); ``speculate``,
+        ``ordered`` and ``split_blocks``: the schedule's (``offload.schedule``, ``offload.update_split``)."""
         return cls(compute_dtype, reduce_dtype, optimizer_state_dtype, processes, full_staging=param_transfer == "full",
                    keep_gradients=keep_gradients, incoming_full=grad_sync == "cpu_reduce", window=window,
                    gradient_slots=gradient_slots, holds_step=delayed_update,
-                   offloaded_activation_bytes=offloaded_activation_bytes, speculate=speculate, master_dtype=master_dtype)
+                   offloaded_activation_bytes=offloaded_activation_bytes, speculate=speculate, master_dtype=master_dtype,
+                   ordered=ordered, split_blocks=split_blocks)
 
 
 def master_in_staging(units: Sequence[UnitSize], setup: HostSetup) -> bool:
@@ -143,14 +149,15 @@ def gradient_slots(units: Sequence[UnitSize], setup: HostSetup) -> int:
         per_step = sum(1 for unit in units if unit.part_sizes())
     else:
         per_step = pieces_per_step(units, piece_capacity(units, False, setup.processes))
-    held = setup.speculate and not setup.keep_gradients  # a speculative step's pieces wait for its validation
+    # a speculative step's pieces wait for its validation, an ordered one's for their update after the norm
+    held = (setup.speculate or setup.ordered) and not setup.keep_gradients
     least = per_step + 1 if setup.holds_step else per_step if held else 1
     if setup.gradient_slots is not None:
         if setup.gradient_slots < least:
             why = (f"delayed_update holds one step's {per_step} gradient pieces until the next step's updates, so it "
                    f"needs at least {least}" if setup.holds_step else
-                   f"speculative_update holds one step's {per_step} gradient pieces until the step is validated, so "
-                   f"it needs at least {least}" if held else "at least 1 is needed")
+                   f"update: {'speculative' if setup.speculate else 'forward'} holds one step's {per_step} gradient "
+                   f"pieces until the norm is known, so it needs at least {least}" if held else "at least 1 is needed")
             raise GradientSlotsError(f"SlideFSDP gradient_slots={setup.gradient_slots}: {why}; set gradient_slots >= "
                                      f"{least}, or null to have it chosen")
         return setup.gradient_slots
@@ -178,11 +185,23 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
         "kept_gradients": ranks * trained_shard * 4 if setup.keep_gradients else 0,
         "gradient_ring": ranks * gradient_slots(units, setup) * incoming * setup.reduce_dtype.itemsize,
         "activations": ranks * setup.offloaded_activation_bytes,
-        # speculative_update: each rank's master rows and both moments as they were before the step's update
-        "speculation_backup": (ranks * trained_shard * (master + 2 * setup.optimizer_state_dtype.itemsize)
-                               if setup.speculate else 0),
+        # update: speculative (every row) or split (the first-arriving units'): each rank's master rows and both
+        # moments as they were before the step's update
+        "speculation_backup": ranks * speculated_numel(units, setup) * (master + 2 * setup.optimizer_state_dtype.itemsize),
     }
     return parts
+
+
+def speculated_numel(units: Sequence[UnitSize], setup: HostSetup) -> int:
+    """One rank's trained rows whose updates are speculated: every row (``speculate``), the split's
+    (``offload.update_split.speculated_units``), or none."""
+    if setup.speculate:
+        return sum(unit.trained().shard_numel for unit in units)
+    if setup.split_blocks is None or setup.keep_gradients:
+        return 0
+    from offload.update_split import speculated_units
+
+    return sum(stop - start for start, stop in speculated_units(units, setup.split_blocks).values())
 
 
 def with_runtime(parts: dict[str, int], processes: int) -> dict[str, int]:

@@ -47,3 +47,19 @@ def trained_layouts(layouts: list[UnitLayout], shards: int, shard_rank: int) -> 
     return [layout if all(place.param.requires_grad for place in layout.places) else UnitLayout.build(
         layout.name, [(place.names, place.param) for place in layout.places if place.param.requires_grad], shards,
         shard_rank) for layout in layouts]
+
+
+def leading_root_places(network: nn.Module, blocks: list[tuple[str, nn.Module]], root: UnitLayout) -> int:
+    """How many of ``root``'s places come before the first block's parameters in ``network.named_parameters()``: the
+    parameters a causal LM uses before its blocks (embeddings), whose gradients reach the host last. The rest (final
+    norm, head) are used after the blocks: their gradients come first (``offload.update_split``). A tied head is the
+    embedding's parameter, registered with it."""
+    in_blocks = {id(param) for _, block in blocks for param in block.parameters()}
+    root_params = {id(place.param) for place in root.places}
+    before: set[int] = set()
+    for _, param in network.named_parameters():
+        if id(param) in in_blocks:
+            break
+        if id(param) in root_params:
+            before.add(id(param))
+    return sum(1 for place in root.places if id(place.param) in before)

@@ -10,7 +10,7 @@ the gradient ring, and the refusal of a run that does not fit the host. The stra
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -29,14 +29,15 @@ from offload.host_memory import (
     master_in_staging,
     with_runtime,
 )
-from offload.layout import build_layouts, trained_layouts
+from offload.layout import build_layouts, leading_root_places, trained_layouts
 from offload.activation_plan import ActivationPlan, ActivationPlanSpec, BlockCosts, block_activation_bytes, choose
-from offload.schedule import UpdateSchedule
+from offload.schedule import UPDATES, UpdateSchedule
+from offload.update_split import choose_split
 
 
 def check_knob_values(*, cpu_threads: int | None, host_memory_gb: float | None, optimizer_state_dtype: str,
                       master_dtype: str, cpu_binding: str, control_cores: int, delayed_update_warmup: int,
-                      speculative_update: bool, delayed_update: bool, accumulate_on: str) -> None:
+                      update: str, speculated_blocks: int | None, accumulate_on: str) -> None:
     """Refuse, when the strategy is built, a knob's value that no run could take (one line naming it and the fix)."""
     if cpu_threads is not None and cpu_threads < 1:
         raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for usable cores / processes per node, less one")
@@ -51,9 +52,15 @@ def check_knob_values(*, cpu_threads: int | None, host_memory_gb: float | None, 
         raise ValueError(f"SlideFSDP control_cores={control_cores} must be >= 0")
     if delayed_update_warmup < 0:
         raise ValueError(f"SlideFSDP delayed_update_warmup={delayed_update_warmup} must be >= 0 optimizer steps")
-    if speculative_update and delayed_update:
-        raise ValueError("SlideFSDP speculative_update and delayed_update both overlap a clipped step's updates "
-                         "with a backward (this step's, or the next one's); set one of them to false")
+    if update not in ("auto", *UPDATES):
+        raise ValueError(f"SlideFSDP update={update!r}: set it to auto (the fastest exact schedule that fits), "
+                         f"{', '.join(UPDATES[:-1])} or delayed (docs/offload.md#the-update)")
+    if speculated_blocks is not None and (speculated_blocks < 0 or update not in ("auto", "split")):
+        raise ValueError(f"SlideFSDP speculated_blocks={speculated_blocks}: the blocks update: split (or auto) "
+                         "speculates, >= 0; or null to have the host's room choose")
+    if delayed_update_warmup and update != "delayed":
+        raise ValueError(f"SlideFSDP delayed_update_warmup={delayed_update_warmup} warms up update: delayed; set "
+                         "update: delayed, or delayed_update_warmup: 0")
     if accumulate_on not in ("device", "host"):
         raise ValueError(f"SlideFSDP accumulate_on={accumulate_on!r}: set it to device or host")
 
@@ -87,20 +94,26 @@ def model_units(module: Any, datamodule: Any, shards: int, block_class: str | No
     adapters = lora.as_config((getattr(module, "hparams", None) or {}).get("lora"))
     if adapters is not None:
         lora.attach(network, adapters)
-    block_layouts, root_layout = build_layouts(network, find_blocks(network, block_class), shards, 0)
+    blocks = find_blocks(network, block_class)
+    block_layouts, root_layout = build_layouts(network, blocks, shards, 0)
     layouts = [*block_layouts, root_layout]
-    return sizes_of(layouts, trained_layouts(layouts, shards, 0), gpu_reduce)
+    trained = trained_layouts(layouts, shards, 0)
+    return sizes_of(layouts, trained, gpu_reduce, leading_root_places(network, blocks, trained[-1]))
 
 
-def sizes_of(layouts: list, trained: list, gpu_reduce: bool) -> list[UnitSize]:
+def sizes_of(layouts: list, trained: list, gpu_reduce: bool, leading_places: int = 0) -> list[UnitSize]:
     """Every unit's size (blocks, then the root) from its layout and its trained parameters' layout, the root's
-    gradient parts as ``offload.gradients.gradient_parts`` makes them."""
+    gradient parts as ``offload.gradients.gradient_parts`` makes them; ``leading_places``: the root's trained
+    parameters used before the blocks (``offload.layout.leading_root_places``), whose parts arrive last (one part for
+    the whole root: it arrives last)."""
     root_parts = gradient_parts(trained[-1], per_parameter=gpu_reduce)
     sizes = []
     for unit, (layout, trained_layout) in enumerate(zip(layouts, trained)):
-        parts = tuple(p.layout.shard_numel for p in root_parts) if unit == len(layouts) - 1 else ()
+        root = unit == len(layouts) - 1
+        parts = tuple(p.layout.shard_numel for p in root_parts) if root else ()
+        leading = (leading_places if gpu_reduce else len(root_parts)) if root else 0
         sizes.append(UnitSize(layout.full_numel, layout.shard_numel, parts, layout.full_numel - trained_layout.full_numel,
-                              layout.shard_numel - trained_layout.shard_numel))
+                              layout.shard_numel - trained_layout.shard_numel, leading))
     return sizes
 
 
@@ -116,22 +129,59 @@ class SlidePlan:
     activation_offload: str
     activation_checkpointing: int
     optimizer_state_dtype: torch.dtype
-    delayed_update: bool
+    update: str  # ``auto`` or one of ``offload.schedule.UPDATES``
     gradient_slots: int | None
     on_nonfinite: str
     # the run
     run: SlideRun
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    speculative_update: bool = False  # knobs, last for the callers that predate them
-    master_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype = torch.float32  # knobs, last for the callers that predate them
     activation_plan: ActivationPlanSpec = None
     accumulate_on: str = "device"
+    speculated_blocks: int | None = None  # ``split``'s blocks; None: chosen (``split``)
+    split_blocks: int | None = None  # the split taken (``split``): None until chosen, or where nothing is speculated
+
+    @property
+    def delayed_update(self) -> bool:
+        return self.update == "delayed"
 
     @cached_property
     def schedule(self) -> UpdateSchedule:
-        return UpdateSchedule.of(self.delayed_update, self.run.clipping, self.run.accumulation, self.on_nonfinite,
-                                 self.speculative_update, self.accumulate_on)
+        """``auto`` is ``split``: by the step-time model, speculating the first-arriving units never slows the ordered
+        update, and the split takes only as many blocks as fit (none fit: ``forward``)."""
+        update = "split" if self.update == "auto" else self.update
+        return UpdateSchedule.of(update, self.run.clipping, self.run.accumulation, self.on_nonfinite, self.accumulate_on)
+
+    def split(self, units: Sequence[UnitSize], available: int | None, activation_bytes: int = 0,
+              step_s: Callable[[int], float] | None = None) -> "SlidePlan":
+        """This plan with its split taken (``offload.update_split``): ``speculated_blocks`` where set, else the most
+        blocks whose backup fits ``available`` host bytes per node beside everything else (unknown: none), or, with
+        the step-time model ``step_s``, the fastest of those. Not a split: this plan."""
+        if not self.schedule.split:
+            return self
+        blocks = len(units) - 1
+        if self.speculated_blocks is not None:
+            if self.speculated_blocks > blocks:
+                raise ValueError(f"SlideFSDP speculated_blocks={self.speculated_blocks}: the model has {blocks} blocks")
+            return replace(self, split_blocks=self.speculated_blocks)
+
+        def fits(count: int) -> bool:
+            parts = with_runtime(replace(self, split_blocks=count).host_buffers(units, activation_bytes),
+                                 self.run.processes_per_node)
+            return available is not None and sum(parts.values()) <= available
+
+        return replace(self, split_blocks=choose_split(blocks, fits, step_s))
+
+    def describe_update(self) -> str:
+        """The update as the run takes it, in words (the log, ``estimate``, ``OffloadReport``)."""
+        schedule = self.schedule
+        if not schedule.defer and not schedule.speculate:
+            return "overlapped (on arrival: nothing waits for the norm)"
+        if schedule.split and self.split_blocks is not None:
+            return f"split: the root's head side and the last {self.split_blocks} blocks speculated, the rest in forward order"
+        return {"delayed": "delayed by one step", "forward": "forward order after the norm", "after": "synchronous",
+                "overlapped": "speculative"}[schedule.name]
 
     @property
     def host_accumulation(self) -> int:
@@ -168,10 +218,14 @@ class SlidePlan:
             )
         if self.delayed_update and run.accumulation > 1 and self.accumulate_on == "host":
             raise ValueError(
-                f"SlideFSDP delayed_update with accumulate_on: host would rewrite a unit's staging rows after the "
+                f"SlideFSDP update: delayed with accumulate_on: host would rewrite a unit's staging rows after the "
                 f"first of a step's {run.accumulation} micro-batches, so the others would compute with newer weights; "
-                "set accumulate_on: device (the sum is sent once, in the last micro-batch) or delayed_update: false"
+                "set accumulate_on: device (the sum is sent once, in the last micro-batch) or update: auto"
             )
+        if self.update == "split" and run.accumulation > 1 and self.accumulate_on == "host":
+            raise ValueError("SlideFSDP update: split speculates updates from the gradient as it arrives, and with "
+                             "accumulate_on: host the step's gradient is whole only at its end; set accumulate_on: "
+                             "device, or update: forward")
         if self.grad_sync == "cpu_reduce" and run.accelerator == "cuda" and run.nodes * run.processes_per_node > 1:
             raise ValueError(
                 "SlideFSDP grad_sync: cpu_reduce copies every rank's whole gradients to the host and all-reduces them there "
@@ -209,7 +263,8 @@ class SlidePlan:
         return HostSetup.of_knobs(self.compute_dtype, self.reduce_dtype, self.optimizer_state_dtype,
                                   self.run.processes_per_node, self.param_transfer, self.grad_sync, self.window,
                                   self.schedule.keep_gradients, activation_bytes, self.gradient_slots,
-                                  self.delayed_update, self.schedule.speculate, self.master_dtype)
+                                  self.delayed_update, self.schedule.speculate, self.master_dtype,
+                                  self.schedule.ordered, self.split_blocks if self.schedule.split else None)
 
     def master_in_staging(self, units: Sequence[UnitSize]) -> bool:
         """Whether the master rows are the staging copy's (``offload.host_memory.master_in_staging``)."""
@@ -235,8 +290,8 @@ class SlidePlan:
             fix = (f"put fewer blocks on the host in activation_plan (their activations take {activations / GIB:.1f} "
                    "GiB; recompute them instead), or use auto" if self.activation_plan not in (None, "auto")
                    and activations else
-                   f"set speculative_update: false (its backup is {backup / GIB:.1f} GiB; delayed_update overlaps the "
-                   "update without one), use a smaller model or more nodes" if backup else
+                   f"set update: auto (its backup is {backup / GIB:.1f} GiB; auto speculates only the blocks the host "
+                   "has room for), use a smaller model or more nodes" if backup else
                    "use a smaller model or more nodes, or drop what keeps gradients (clipping, accumulation, "
                    "on_nonfinite: skip_step)")
             raise ValueError(

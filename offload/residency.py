@@ -10,10 +10,14 @@ fails loudly instead of computing with stale values.
 
 The root (embeddings, final norm, head) is used at both ends of the step and stays in a buffer of
 its own; it is reloaded after each optimizer step changed it.
+
+Every load first calls ``before_load`` with its unit: an ordered update (``offload.schedule``) waits there for that
+unit's update after the norm, so the forward loads a unit as soon as its own update is done.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +77,7 @@ class DeviceWindow:
         self.resident: dict[int, Slot] = {}
         self.most_resident = 0  # the largest number of blocks resident at once, for the window bound
         self.forward_slots: dict[int, int] = {}  # block -> the slot its saved activations point into
+        self.before_load: Callable[[int], None] = lambda unit: None  # waits for the unit's pending update
 
     # --- binding ---------------------------------------------------------------------------------
 
@@ -96,6 +101,7 @@ class DeviceWindow:
     # --- loading ---------------------------------------------------------------------------------
 
     def _load(self, unit: int, slot: Slot) -> None:
+        self.before_load(unit)
         layout, staging = self.layouts[unit], self.host.staging[unit]
         with self.transfers.on_h2d_stream(after=slot.free_after):
             target = slot.buffer[: layout.full_numel]

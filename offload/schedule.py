@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: ``update``'s named schedules (``auto`` picks among the exact ones: every choice but ``delayed``)
+UPDATES = ("synchronous", "forward", "split", "speculative", "delayed")
+EXACT_UPDATES = UPDATES[:-1]
+
 
 @dataclass(frozen=True)
 class UpdateSchedule:
@@ -17,10 +21,13 @@ class UpdateSchedule:
     check_units_finite: bool = False  # each unit's gradient is checked before its own update (none deferred)
     speculate: bool = False  # updates run on arrival, undone at the optimizer step if clipping or the guard fires
     accumulate_on_device: bool = False  # micro-batches' gradients summed on the device in float32, sent once a step
+    ordered: bool = False  # deferred updates run after the norm, one task per unit in forward order (``start_ordered``)
+    behind_forward: bool = False  # ordered, not waited for: each unit's next load waits for its own update
+    split: bool = False  # ordered, with the first-arriving units speculated (``offload.update_split``)
 
     @classmethod
-    def of(cls, delayed_update: bool, clipping: bool, accumulation: int, on_nonfinite: str,
-           speculative_update: bool = False, accumulate_on: str = "host") -> "UpdateSchedule":
+    def of(cls, update: str, clipping: bool, accumulation: int, on_nonfinite: str,
+           accumulate_on: str = "host") -> "UpdateSchedule":
         """Clipping and skipping non-finite steps need every gradient before the first update of a step, so the
         updates are deferred; a delayed update defers them to the next step and keeps each gradient in its ring
         buffer (the reduce dtype), learning the norm as the pieces arrive, where accumulation and a deferred
@@ -35,24 +42,41 @@ class UpdateSchedule:
         Gradient accumulation (``accumulation`` micro-batches a step) on the device (``accumulate_on``) sums the
         micro-batches' reduced gradients in float32 there and sends the sum once, in the last micro-batch's backward:
         the host sees one gradient a step, as without accumulation. On the host it adds each micro-batch's pieces
-        into the kept fp32 copy."""
-        speculate = speculative_update and (clipping or on_nonfinite != "warn")
+        into the kept fp32 copy.
+
+        ``update`` names the schedule (``UPDATES``; ``auto`` is resolved before, ``offload.update_split``):
+        ``synchronous`` defers every update to after the norm and waits for them at the optimizer step;
+        ``forward`` runs the same updates (the same arithmetic: the norm summed as the pieces arrive, the coefficient
+        applied inside the update) in forward order (the root, then block 0 up) without waiting: the next forward's
+        load of a unit waits for that unit's update alone; ``split`` is ``forward`` with the units whose
+        gradients arrive first speculated during the backward; ``speculative`` speculates every unit; ``delayed`` runs a
+        step's updates during the next step. Where neither clipping nor the guard needs the norm, every exact choice
+        is the overlapped update (on arrival)."""
+        delayed_update = update == "delayed"
+        needs_norm = clipping or on_nonfinite != "warn"
+        speculate = update == "speculative" and needs_norm
         defer = (clipping or on_nonfinite == "skip_step" or delayed_update) and not speculate
+        ordered = defer and not delayed_update
+        host_sum = accumulation > 1 and accumulate_on == "host"
         return cls(
             delay=delayed_update,
             defer=defer,
-            keep_gradients=(accumulation > 1 and accumulate_on == "host") or (defer and not delayed_update),
-            norms_on_arrival=(delayed_update or speculate) and (clipping or on_nonfinite != "warn"),
+            keep_gradients=host_sum,
+            norms_on_arrival=(delayed_update or speculate or (ordered and not host_sum)) and needs_norm,
             check_units_finite=on_nonfinite != "warn" and not defer and not speculate,
             speculate=speculate,
             accumulate_on_device=accumulation > 1 and accumulate_on == "device",
+            ordered=ordered,
+            behind_forward=ordered and update in ("forward", "split"),
+            split=ordered and update == "split" and not host_sum,
         )
 
     @property
     def holds_pieces(self) -> bool:
         """Each gradient piece keeps its ring buffer after it arrives: until the next step's update (delayed), or
-        until the optimizer step validates the step (speculative, with no fp32 copy to keep it in)."""
-        return self.delay or (self.speculate and not self.keep_gradients)
+        until the optimizer step validates the step (speculative, with no fp32 copy to keep it in), or until its update
+        after the norm (ordered, with none)."""
+        return self.delay or ((self.speculate or self.ordered) and not self.keep_gradients)
 
     @property
     def overlaps(self) -> bool:
@@ -61,6 +85,6 @@ class UpdateSchedule:
 
     @property
     def name(self) -> str:
-        """``delayed``, ``after`` (the backward: deferred, not delayed) or ``overlapped`` (``offload.step_time``; a
-        speculative update overlaps too)."""
-        return "delayed" if self.delay else "after" if self.defer else "overlapped"
+        """``delayed``, ``forward`` (after the norm in forward order, behind the next forward), ``after`` (the backward:
+        deferred, waited for) or ``overlapped`` (``offload.step_time``; a speculative update overlaps too)."""
+        return "delayed" if self.delay else "forward" if self.behind_forward else "after" if self.defer else "overlapped"

@@ -36,32 +36,44 @@ class SpeculativeBackup:
     ``keep`` runs on the worker thread just before each update; ``settle`` and ``undo`` run in the caller's thread
     once the worker is idle (the optimizer step, the guard's skip)."""
 
-    def __init__(self, adam: CpuAdam, host: HostState):
+    def __init__(self, adam: CpuAdam, host: HostState, rows: dict[int, tuple[int, int]] | None = None):
+        """``rows``: the rows ``[start, stop)`` of each unit's shard that may be speculated (``update: split``,
+        ``offload.update_split``); None: every row of every unit (``update: speculative``)."""
         self.adam, self.host = adam, host
+        if rows is None:
+            rows = {unit: (0, master.numel()) for unit, master in enumerate(host.master) if master.numel()}
+        self.rows = rows
         # zero-filled, not empty: the memory is claimed at setup, as the moments are
-        self.master = [torch.zeros_like(master) for master in host.master]
-        self.moments: list[dict[str, torch.Tensor]] = []
-        for unit, master in enumerate(host.master):
+        self.master = {unit: torch.zeros(stop - start, dtype=host.master[unit].dtype) for unit, (start, stop) in rows.items()}
+        self.moments: dict[int, dict[str, torch.Tensor]] = {}
+        for unit, (start, stop) in rows.items():
             optimizer = adam.optimizers[unit]
             state = optimizer.state[adam.pieces[unit][0]] if optimizer is not None else {}
-            self.moments.append({key: torch.zeros(master.numel(), dtype=value.dtype)
-                                 for key, value in state.items() if key != "step"})
+            self.moments[unit] = {key: torch.zeros(stop - start, dtype=value.dtype)
+                                  for key, value in state.items() if key != "step"}
         self.steps: dict[int, list[torch.Tensor]] = {}  # each updated unit's pieces' step counts before the step
         self.updates: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # its rows updated, and their gradient
         self.undone = False  # the step's updates are rolled back now
         self.rolled_back = False  # they were, at least once, in this step
         self.seconds = 0.0  # this step's rollbacks and redos
 
+    def covers(self, unit: int, start: int, stop: int) -> bool:
+        """Whether rows ``[start, stop)`` of ``unit`` are speculated (backed up before their update)."""
+        rows = self.rows.get(unit)
+        return rows is not None and rows[0] <= start and stop <= rows[1]
+
     def nbytes(self) -> int:
         """Host bytes of the backup (``offload.host_memory``'s ``speculation_backup``)."""
-        return sum(t.numel() * t.element_size() for t in [*self.master, *(m for d in self.moments for m in d.values())])
+        return sum(t.numel() * t.element_size()
+                   for t in [*self.master.values(), *(m for d in self.moments.values() for m in d.values())])
 
     def keep(self, unit: int, start: int, stop: int, gradient: torch.Tensor) -> None:
         """Worker thread: back up rows ``[start, stop)`` of ``unit`` before their update with ``gradient``."""
         if unit not in self.updates:  # its first rows this step: the step counts advance with its last
             self.steps[unit] = [self._state(unit, index)["step"].clone() for index in range(len(self.adam.pieces[unit]))]
             self.updates[unit] = []
-        self.master[unit][start:stop].copy_(self.host.master[unit][start:stop])
+        offset = self.rows[unit][0]
+        self.master[unit][start - offset : stop - offset].copy_(self.host.master[unit][start:stop])
         self._copy_moments(unit, start, stop, restore=False)
         self.updates[unit].append((start, stop, gradient))
 
@@ -69,10 +81,11 @@ class SpeculativeBackup:
         return self.adam.optimizers[unit].state[self.adam.pieces[unit][index]]
 
     def _copy_moments(self, unit: int, start: int, stop: int, restore: bool) -> None:
+        offset = self.rows[unit][0]
         for index, begins, first, last in self.adam.spans(unit, start, stop):
             state = self._state(unit, index)
             for key, saved in self.moments[unit].items():
-                live, kept = state[key].view(-1)[first - begins : last - begins], saved[first:last]
+                live, kept = state[key].view(-1)[first - begins : last - begins], saved[first - offset : last - offset]
                 (live if restore else kept).copy_(kept if restore else live)
 
     def settle(self, stands: bool, scale: float) -> None:
@@ -81,26 +94,41 @@ class SpeculativeBackup:
         if not stands or scale < 1.0:
             self.undo()
         if stands and scale < 1.0:
-            began = time.perf_counter()
-            for unit, updates in self.updates.items():
-                for start, stop, gradient in updates:
-                    self.adam.update_rows(unit, gradient, start, stop, self.host.staging_targets(unit), grad_scale=scale)
+            for unit in list(self.updates):
+                self.redo(unit, scale)
             self.undone = False
-            self.seconds += time.perf_counter() - began
 
     def undo(self) -> None:
         """Restore every unit updated in this step as it was before (master, moments, step counts, staging rows)."""
         if self.undone:
             return
+        for unit in list(self.updates):
+            self.undo_unit(unit)
+        self.undone = True
+
+    def undo_unit(self, unit: int) -> None:
+        """Restore ``unit``'s rows updated in this step as they were before (master, moments, the step counts of the
+        pieces they span, staging rows); the worker may run it for one unit while others are updated."""
         began = time.perf_counter()
-        for unit, updates in self.updates.items():
-            for start, stop, _ in updates:
-                self.host.master[unit][start:stop].copy_(self.master[unit][start:stop])
-                self._copy_moments(unit, start, stop, restore=True)
-            for index, step in enumerate(self.steps[unit]):
-                self._state(unit, index)["step"].copy_(step)
-            self.host.write_staging(unit)
-        self.undone = self.rolled_back = True
+        pieces = set()
+        for start, stop, _ in self.updates.get(unit, ()):
+            offset = self.rows[unit][0]
+            self.host.master[unit][start:stop].copy_(self.master[unit][start - offset : stop - offset])
+            self._copy_moments(unit, start, stop, restore=True)
+            pieces.update(index for index, *_ in self.adam.spans(unit, start, stop))
+        for index in pieces:
+            self._state(unit, index)["step"].copy_(self.steps[unit][index])
+        self.host.write_staging(unit)
+        self.rolled_back = True
+        self.seconds += time.perf_counter() - began
+
+    def redo(self, unit: int, scale: float, settings: list[dict] | None = None) -> None:
+        """Update ``unit``'s restored rows again from the gradients they took, times ``scale``, at ``settings`` (the
+        step's hyperparameters; default: the held optimizer's now)."""
+        began = time.perf_counter()
+        for start, stop, gradient in self.updates.get(unit, ()):
+            self.adam.update_rows(unit, gradient, start, stop, self.host.staging_targets(unit), grad_scale=scale,
+                                  hyperparameters=settings)
         self.seconds += time.perf_counter() - began
 
     def end_step(self) -> tuple[bool, float]:

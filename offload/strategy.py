@@ -37,14 +37,15 @@ from offload.compile import compile_forwards
 from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, OffloadStep, SlideEngine
 from offload.gradients import GradientPipeline
-from offload.host import HostState, SharedStaging, can_pin, node_tag
+from offload.host import HostState, SharedMarks, SharedStaging, can_pin, node_tag
 from offload.host_memory import UnitSize
-from offload.layout import build_layouts, trained_layouts
+from offload.layout import build_layouts, leading_root_places, trained_layouts
 from offload.plan import SlidePlan, SlideRun, check_knob_values, model_units, placed_costs, sizes_of
 from offload.preflight import UpdateThreads, host_memory_budget
 from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
 from offload.transfers import Transfers
+from offload.update_split import speculated_units
 
 OptimizerStateDType = Literal["float32", "bfloat16"]
 
@@ -72,9 +73,9 @@ class SlideFSDPStrategy(CausalLMStrategy):
         control_cores: int = 1,
         optimizer_state_dtype: OptimizerStateDType = "float32",
         master_dtype: OptimizerStateDType = "float32",
-        delayed_update: bool = False,
+        update: Literal["auto", "synchronous", "forward", "split", "speculative", "delayed"] = "auto",
+        speculated_blocks: int | None = None,
         delayed_update_warmup: int = 0,
-        speculative_update: bool = False,
         accumulate_on: Literal["device", "host"] = "device",
         gradient_slots: int | None = None,
         pin_memory: bool = True,
@@ -119,25 +120,30 @@ class SlideFSDPStrategy(CausalLMStrategy):
                 them stochastically (``offload.rounding``: unbiased, and the same bits on resume); with a bfloat16
                 ``param_dtype`` the master is then the copy the device loads (none of its own, except with
                 ``delayed_update`` or LoRA, or several processes with ``param_transfer: full``).
-            delayed_update: Apply each step's CPU updates during the next step's forward and backward (ZeRO-Offload's
-                one-step delayed parameter update, DPU), so that the update overlaps the whole step, clipping included
-                (the norm is known when the updates start); every step computes with weights one update old. Each
-                gradient waits in its buffer (the reduce dtype: 2 B/param in bfloat16) for its update. A checkpoint, a
-                validation and the end of training apply the waiting update first. Not with ``accumulate_on: host``.
-            delayed_update_warmup: With ``delayed_update``, the first optimizer steps of training whose updates are
+            update: When each step's CPU updates run where clipping or ``on_nonfinite`` (stop, skip_step) needs the
+                step's gradient norm first (docs/offload.md#the-update). The exact schedules: ``forward`` updates the
+                units after the norm in forward order (the root, then block 0 up) while the next forward runs, each
+                load waiting for its own unit's update; ``split`` does so too, but speculates the units whose gradients
+                arrive first (the head side, the last ``speculated_blocks`` blocks) during the backward, with a backup
+                of their rows alone to undo them if clipping or the guard fires; ``speculative`` speculates every unit
+                (a backup of every row); ``synchronous`` updates every unit after the backward and waits. ``auto`` (the
+                default) is ``split`` with as many blocks as the host has room for (none: ``forward``). ``delayed``
+                (not exact: ZeRO-Offload's one-step delayed update) applies each step's updates during the next
+                step's forward and backward, on weights one update old; a checkpoint, a validation and the end of
+                training apply the waiting update first. Without clipping or the guard, every exact choice updates each
+                unit as its gradients arrive.
+            speculated_blocks: With ``split`` (or ``auto``), the last blocks speculated; null: as many as the host has
+                room for beside everything else (the preflight, ``estimate`` and ``tune`` count their backup).
+            delayed_update_warmup: With ``update: delayed``, the first optimizer steps of training whose updates are
                 applied before the next step instead (ZeRO-Offload's DPU warm-up: staleness costs most while the
                 weights change fastest).
-            speculative_update: With clipping or ``on_nonfinite`` stop or skip_step, run each update as its gradient
-                arrives and validate the step at the optimizer step: undone and redone clipped if clipping fires, undone
-                if the guard stops or skips it (``offload.speculation``); a backup of the rows before each update costs
-                4 + 2 x moment bytes per trained parameter. Not with ``delayed_update``.
             accumulate_on: With gradient accumulation, where the micro-batches' gradients are summed: ``device`` (in
                 float32, 4 B per trained parameter of the rank's shard; sent once a step, so the updates overlap the
-                last backward, delayed or speculative too), or ``host`` (a kept float32 copy; not with ``delayed_update``).
+                last backward, whatever the update), or ``host`` (a kept float32 copy; not with ``delayed`` or ``split``).
             gradient_slots: Host buffers for gradients on their way to the CPU update, each the size of a block's
                 shard; default (null): one per piece of a backward (the device never waits for an update to free
-                one), plus ``max(2, window)`` with ``delayed_update``; ``max(2, window)`` when a kept fp32 gradient
-                takes each piece on arrival (accumulation; clipping without ``delayed_update``). Counted by the
+                one), plus ``max(2, window)`` with ``update: delayed``; ``max(2, window)`` when a kept fp32 gradient
+                takes each piece on arrival (accumulation on the host; ``synchronous`` with clipping). Counted by the
                 preflight and ``estimate``.
             pin_memory: Pin the host buffers that cross PCIe (GPU only); if pinning fails it is turned off with a warning.
             host_memory_gb: Host memory (GiB per node) the preflight may count on; default: MemAvailable now. Set it
@@ -154,21 +160,23 @@ class SlideFSDPStrategy(CausalLMStrategy):
                          process_group_backend, timeout)
         check_knob_values(cpu_threads=cpu_threads, host_memory_gb=host_memory_gb, optimizer_state_dtype=optimizer_state_dtype,
                           master_dtype=master_dtype, cpu_binding=cpu_binding, control_cores=control_cores,
-                          delayed_update_warmup=delayed_update_warmup, speculative_update=speculative_update,
-                          delayed_update=delayed_update, accumulate_on=accumulate_on)
+                          delayed_update_warmup=delayed_update_warmup, update=update,
+                          speculated_blocks=speculated_blocks, accumulate_on=accumulate_on)
         self.window, self.param_transfer, self.grad_sync = window, param_transfer, grad_sync
         self.activation_plan, self.accumulate_on = activation_plan, accumulate_on
         self.activation_offload, self.compile_blocks, self.cpu_threads = activation_offload, compile_blocks, cpu_threads
         self.cpu_binding, self.control_cores = cpu_binding, control_cores
         self.optimizer_state_dtype, self.master_dtype = optimizer_state_dtype, master_dtype
-        self.delayed_update, self.delayed_update_warmup = delayed_update, delayed_update_warmup
-        self.speculative_update, self.gradient_slots = speculative_update, gradient_slots
+        self.update, self.speculated_blocks, self.delayed_update_warmup = update, speculated_blocks, delayed_update_warmup
+        self.gradient_slots = gradient_slots
         self.pin_memory, self.host_memory_gb = pin_memory, host_memory_gb
         self.engine: SlideEngine | None = None
         self.host: HostState | None = None
         self.adam: CpuAdam | None = None
         self.host_state_dict: HostStateDict | None = None
         self.update_threads_reason = self.activation_plan_taken = ""  # set in setup_environment, place; in the record
+        self.update_taken = ""  # the update schedule as place() took it (``SlidePlan.describe_update``)
+        self.speculated_share = 0.0  # of this rank's trained rows, those a split speculates
 
     # --- before any worker starts ------------------------------------------------------------------
 
@@ -185,25 +193,39 @@ class SlideFSDPStrategy(CausalLMStrategy):
         return SlidePlan(
             window=self.window, param_transfer=self.param_transfer, grad_sync=self.grad_sync,
             activation_offload=self.activation_offload, activation_checkpointing=self.activation_checkpointing,
-            optimizer_state_dtype=getattr(torch, self.optimizer_state_dtype), delayed_update=self.delayed_update,
+            optimizer_state_dtype=getattr(torch, self.optimizer_state_dtype), update=self.update,
             gradient_slots=self.gradient_slots, on_nonfinite=self.on_nonfinite,
             run=SlideRun.of_trainer(trainer, self.root_device.type), compute_dtype=compute,
             reduce_dtype=self.resolve_dtype(self.reduce_dtype, fallback=compute),
-            speculative_update=self.speculative_update, master_dtype=getattr(torch, self.master_dtype),
-            activation_plan=self.activation_plan, accumulate_on=self.accumulate_on,
+            master_dtype=getattr(torch, self.master_dtype), activation_plan=self.activation_plan,
+            accumulate_on=self.accumulate_on, speculated_blocks=self.speculated_blocks,
         )
+
+    @property
+    def delayed_update(self) -> bool:
+        """``update: delayed`` (stale by one step)."""
+        return self.update == "delayed"
 
     def model_units(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
         """Every unit's size with ``shards`` ranks per node, from the model on the meta device (``offload.plan``)."""
         return model_units(module, datamodule, shards, self.block_class, self.grad_sync == "gpu_reduce")
 
     def host_buffer_estimate(self, trainer: Any, module: pl.LightningModule, datamodule: Any = None,
-                             compute: torch.dtype | None = None, units: list[UnitSize] | None = None) -> dict[str, int]:
+                             compute: torch.dtype | None = None, units: list[UnitSize] | None = None,
+                             host_bytes: int | None = None) -> dict[str, int]:
         """The node's host bytes per buffer for this run; offloaded activations need ``datamodule`` (its batch size
-        and sequence length); ``units`` are ``model_units``' when the caller has them already."""
-        plan = self.plan(trainer, compute)
+        and sequence length); ``units`` are ``model_units``' when the caller has them already; ``host_bytes``: the
+        node's memory a split is chosen within (default: this host's budget)."""
         units = units or self.model_units(module, datamodule, trainer.num_devices)
+        plan = self.split_plan(trainer, module, datamodule, units, compute, host_bytes)
         return plan.host_buffers(units, plan.activation_bytes(units, module, datamodule))
+
+    def split_plan(self, trainer: Any, module: pl.LightningModule, datamodule: Any, units: list[UnitSize],
+                   compute: torch.dtype | None = None, host_bytes: int | None = None) -> SlidePlan:
+        """This run's plan with its split taken within ``host_bytes`` per node (default: this host's budget)."""
+        plan = self.plan(trainer, compute)
+        available = host_bytes if host_bytes is not None else host_memory_budget(self.host_memory_gb)[0]
+        return plan.split(units, available, plan.activation_bytes(units, module, datamodule))
 
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
         """The knobs against the run, LoRA's dtype, then the host buffers against the host's memory."""
@@ -212,8 +234,9 @@ class SlideFSDPStrategy(CausalLMStrategy):
         plan.check_knobs()
         self.check_lora(module)
         units = self.model_units(module, datamodule, trainer.num_devices)
-        plan.check_host(units, *host_memory_budget(self.host_memory_gb),
-                        activation_bytes=plan.activation_bytes(units, module, datamodule))
+        budget = host_memory_budget(self.host_memory_gb)
+        self.split_plan(trainer, module, datamodule, units, host_bytes=budget[0]).check_host(
+            units, *budget, activation_bytes=plan.activation_bytes(units, module, datamodule))
 
     def check_lora(self, module: pl.LightningModule) -> None:
         """LoRA's frozen base is kept in the compute dtype alone: bfloat16 (or float32) rounds it as FSDP2's cast does,
@@ -278,7 +301,8 @@ class SlideFSDPStrategy(CausalLMStrategy):
         if full and shards > 1:
             numel = sum(layout.full_numel for layout in layouts)
             shared = SharedStaging(numel, compute, pin, shard_rank, node_tag(self.node_rank), shard_mesh.get_group())
-        sizes = sizes_of(layouts, trained, self.grad_sync == "gpu_reduce")
+        sizes = sizes_of(layouts, trained, self.grad_sync == "gpu_reduce", leading_root_places(network, blocks, trained[-1]))
+        plan = self.placed_split(plan, sizes)
         self.host = HostState(
             layouts, compute, reduce, full_staging=full, keep_gradients=plan.schedule.keep_gradients,
             incoming_full=self.grad_sync == "cpu_reduce", ring_size=plan.ring_slots(sizes), pin=pin, shared=shared,
@@ -300,7 +324,14 @@ class SlideFSDPStrategy(CausalLMStrategy):
             world_size=self.world_size, shard_rank=shard_rank, shard_group=device_shards,
             replicate_group=self.device_mesh["replicate"].get_group() if self.num_nodes > 1 else None,
             host_group=self.host_group, schedule=plan.schedule,
+            speculated=speculated_units(sizes, plan.split_blocks) if plan.split_blocks is not None else None,
+            marks=SharedMarks(len(layouts), shard_rank, shards, node_tag(self.node_rank), shard_mesh.get_group())
+            if shared is not None and plan.schedule.behind_forward else None,
         )
+        speculated = gradients.speculated or {}
+        self.speculated_share = sum(stop - start for start, stop in speculated.values()) / max(
+            1, sum(layout.shard_numel for layout in trained))
+        self.update_taken = plan.describe_update()
         activations = plan.activations(len(blocks), lambda: placed_costs(module, plan, window, sizes, self.host_memory_gb))
         self.recomputed_blocks = tuple(activations.blocks("recompute"))
         self.activation_plan_taken = activations.describe()
@@ -312,7 +343,19 @@ class SlideFSDPStrategy(CausalLMStrategy):
             compile_forwards(blocks, device)
         rank_zero_info(f"SlideFSDP: {self.host.describe(compute, shards, pin)}; device window {self.window} blocks; "
                        f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}; activations: "
-                       f"{self.activation_plan_taken}")
+                       f"{self.activation_plan_taken}; update: {self.update_taken}")
+
+    def placed_split(self, plan: SlidePlan, sizes: list[UnitSize]) -> SlidePlan:
+        """``plan`` with its split taken when the model is placed: the host's budget (``host_memory_gb``, else
+        MemAvailable now, which lacks nothing placed yet: the buffers are allocated after) on every rank alike."""
+        if not plan.schedule.split or plan.speculated_blocks is not None:
+            return plan.split(sizes, None)
+        available = host_memory_budget(self.host_memory_gb)[0]
+        if self.world_size > 1:  # every rank takes the node's smallest figure: the same split everywhere
+            figure = torch.tensor([available if available is not None else -1], dtype=torch.int64)
+            dist.all_reduce(figure, op=dist.ReduceOp.MIN, group=self.cpu_mesh["shard"].get_group())
+            available = None if int(figure) < 0 else int(figure)
+        return plan.split(sizes, available)
 
     def unsteady_steps(self) -> int:
         """The delayed update's synchronous warm-up (``delayed_update_warmup``)."""
@@ -386,9 +429,9 @@ class SlideFSDPStrategy(CausalLMStrategy):
 
     def clip_gradients(self, max_norm: float | None) -> torch.Tensor | None:
         """With deferred updates: the global norm of the kept host gradients (all units, all ranks), clipped; with
-        ``delayed_update``: the norm summed as the pieces arrived, and the clipping coefficient the step's updates
-        will take when they run during the next step; with ``speculative_update``: that norm validates the updates
-        that ran during the backward (``offload.speculation``).
+        ``update: delayed`` or ``forward`` (``split``): the norm summed as the pieces arrived, and the clipping
+        coefficient the step's updates will take when they run during the next step (or after it, in forward order);
+        with ``speculative``: that norm validates the updates that ran during the backward (``offload.speculation``).
 
         Otherwise the updates already ran during the backward (each unit's gradients checked for
         non-finite values first): wait for them; there is no global norm.
@@ -402,7 +445,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             return None
         if self.delayed_update:
             return self.engine.gradients.delayed_norm(max_norm, group)
-        return self.engine.gradients.clip_kept(max_norm, group)
+        return self.engine.gradients.ordered_norm(max_norm, group, self.on_nonfinite)
 
     def drop_gradients(self, optimizer: Any) -> None:
         assert self.engine is not None
@@ -417,13 +460,21 @@ class SlideFSDPStrategy(CausalLMStrategy):
         assert self.engine is not None and self.adam is not None
         step = self.lightning_module.trainer.global_step  # this step's index: the steps before it are done
         self.engine.finish_step(self.adam, warming_up=step < self.delayed_update_warmup)
-        self._staging_barrier()
+        if not self.engine.schedule.behind_forward:  # else each load waits for its unit on every local rank
+            self._staging_barrier()
         return result
 
     def apply_delayed_updates(self) -> None:
-        """Finish the updates ``delayed_update`` runs during the next step now, on every rank, and rewrite their staging
-        rows (before weights are read: a checkpoint, a validation, the end of training)."""
-        if self.engine is None or self.adam is None or not self.delayed_update:
+        """Finish the updates ``update: delayed`` runs during the next step now, on every rank, and rewrite their
+        staging rows (before weights are read: a checkpoint, a validation, the end of training); with ``forward`` (or
+        ``split``), wait for the ordered updates still running (a checkpoint reads the master and moments; a load
+        waits for its unit anyway)."""
+        if self.engine is None or self.adam is None:
+            return
+        if self.engine.schedule.behind_forward:
+            self.adam.wait()
+            return
+        if not self.delayed_update:
             return
         self.engine.gradients.apply_delayed()
         if not self.engine.gradients.accumulated:  # mid-step the rows are kept (apply_delayed), the root as loaded

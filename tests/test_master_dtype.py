@@ -142,7 +142,7 @@ def test_a_bfloat16_master_trains_and_resumes_with_the_same_bits_on_two_processe
 
     steps, ckpts = 6, tmp_path / "ckpt"
     stop = {"class_path": "tests.probes.StopAtStep", "init_args": {"step": 3}}
-    settings = [*SLIDE, "--trainer.gradient_clip_val", "1.0", "--trainer.strategy.init_args.speculative_update", "true"]
+    settings = [*SLIDE, "--trainer.gradient_clip_val", "1.0", "--trainer.strategy.init_args.update", "speculative"]
     run(fit_in_process, tmp_path, [
         fit_arguments(tmp_path / "whole", *settings, steps=steps),
         fit_arguments(tmp_path / "resumed", *settings, steps=steps, callbacks=[stop, checkpoint_every(3, ckpts)]),

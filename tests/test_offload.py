@@ -201,7 +201,7 @@ def test_a_delayed_update_overlaps_the_backward_with_clipping_and_resumes_on_thr
     copies asynchronous, take the same steps as one process, across a checkpoint at step 4 (which applies the
     waiting update) and a resume from it."""
     monkeypatch.setenv(EMULATED_DELAY_VARIABLE, "3")
-    settings = [*common(3, 1, clip=True), *SLIDE, *knobs(delayed_update=True, param_transfer="full", window=1)]
+    settings = [*common(3, 1, clip=True), *SLIDE, *knobs(update="delayed", param_transfer="full", window=1)]
     stats = {"class_path": "callbacks.OffloadStats"}
     one = fit(tmp_path / "one", *settings, devices=1, batch_size=6, steps=STEPS,
               callbacks=[stats, checkpoint_every(4, tmp_path / "one.ckpt")])
@@ -232,8 +232,8 @@ def test_a_delayed_update_warmed_up_for_every_step_takes_the_synchronous_steps_a
     from tests.distributed import fit_in_process, run
 
     settings = [*common(1, 1, clip=True), *SLIDE]
-    runs = {"synchronous": knobs(delayed_update=False), "warmed": knobs(delayed_update=True, delayed_update_warmup=STEPS),
-            "delayed": knobs(delayed_update=True)}
+    runs = {"synchronous": knobs(update="synchronous"), "warmed": knobs(update="delayed", delayed_update_warmup=STEPS),
+            "delayed": knobs(update="delayed")}
     run(fit_in_process, tmp_path, [fit_arguments(tmp_path / name, *settings, *extra, devices=1, batch_size=4, steps=STEPS)
                                    for name, extra in runs.items()], world=1)
     losses = {name: read_metrics(max((tmp_path / name).glob("lightning_logs/version_*/metrics.csv")))["train/loss"]

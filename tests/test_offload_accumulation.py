@@ -22,7 +22,7 @@ def test_the_device_sum_takes_the_host_sums_steps_bit_for_bit_and_sends_one_grad
     settings = [*common(1, 2, clip=True), *SLIDE, *knobs(window=1)]
     stats = {"class_path": "callbacks.OffloadStats"}
     runs = {"host": knobs(accumulate_on="host"), "device": knobs(accumulate_on="device"),
-            "speculative": knobs(accumulate_on="device", speculative_update=True)}
+            "speculative": knobs(accumulate_on="device", update="speculative")}
     run(fit_in_process, tmp_path, [fit_arguments(tmp_path / name, *settings, *extra, devices=1, batch_size=2,
                                                  steps=STEPS, callbacks=[stats]) for name, extra in runs.items()], world=1)
     got = {name: metrics(tmp_path / name) for name in runs}
@@ -43,7 +43,7 @@ def test_a_delayed_update_accumulates_on_the_device_with_every_micro_batch_of_a_
     runs = {"whole": (1, 2), "accumulated": (2, 1)}
     run(fit_in_process, tmp_path, [
         fit_arguments(tmp_path / name, *common(2, accumulation, clip=True), *SLIDE,
-                      *knobs(delayed_update=True, window=1), devices=2, batch_size=batch, steps=STEPS,
+                      *knobs(update="delayed", window=1), devices=2, batch_size=batch, steps=STEPS,
                       callbacks=[{"class_path": "callbacks.OffloadStats"}])
         for name, (accumulation, batch) in runs.items()], world=2)
     whole, accumulated = metrics(tmp_path / "whole"), metrics(tmp_path / "accumulated")
@@ -63,7 +63,7 @@ def test_a_delayed_update_accumulating_on_the_host_is_refused_before_launch_nami
         SlideFSDPStrategy(accumulate_on="gpu")
 
     plan = SlidePlan(window=1, param_transfer="full", grad_sync="gpu_reduce", activation_offload="none",
-                     activation_checkpointing=0, optimizer_state_dtype=None, delayed_update=True, gradient_slots=None,
+                     activation_checkpointing=0, optimizer_state_dtype=None, update="delayed", gradient_slots=None,
                      on_nonfinite="stop", run=SlideRun(1, 1, 4, True, "cpu"), compute_dtype=None, reduce_dtype=None,
                      accumulate_on="host")
     with pytest.raises(ValueError, match="^SlideFSDP delayed_update with accumulate_on: host would rewrite .* set "
@@ -82,7 +82,7 @@ def test_a_sum_no_last_micro_batch_sent_goes_to_the_host_at_the_optimizer_step_a
     from offload.schedule import UpdateSchedule
     from tests.test_offload_speculative import pipeline_of, random_gradients, snapshot
 
-    schedule = UpdateSchedule.of(False, False, 2, "warn", accumulate_on="device")
+    schedule = UpdateSchedule.of("synchronous", False, 2, "warn", accumulate_on="device")
     assert schedule.accumulate_on_device and not schedule.keep_gradients
     results = []
     for reached in (True, False):
@@ -114,7 +114,7 @@ def test_the_devices_sums_are_views_of_one_buffer_allocated_at_placement_not_in_
     from offload.schedule import UpdateSchedule
     from tests.test_offload_speculative import pipeline_of, random_gradients
 
-    pipeline, params = pipeline_of(UpdateSchedule.of(False, False, 2, "warn", accumulate_on="device"), slots=8)
+    pipeline, params = pipeline_of(UpdateSchedule.of("synchronous", False, 2, "warn", accumulate_on="device"), slots=8)
     sums = list(pipeline.device_sums.values())
     storage = sums[0].untyped_storage()
     assert all(s.untyped_storage().data_ptr() == storage.data_ptr() and s.dtype == torch.float32 for s in sums)

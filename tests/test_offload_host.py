@@ -473,14 +473,14 @@ def test_gradient_slots_are_one_per_piece_of_a_backward_plus_two_when_delayed_an
                                   knobs.pop("window", 2), knobs.pop("keep", False), **knobs)
 
     assert gradient_slots(units, setup()) == 3 + 3 + 1
-    assert gradient_slots(units, setup(delayed_update=True, window=3)) == 7 + 3
+    assert gradient_slots(units, setup(update="delayed", window=3)) == 7 + 3
     assert gradient_slots(units, setup(keep=True, window=3)) == 3
     assert gradient_slots(units, setup(gradient_slots=5)) == 5
-    assert gradient_slots(units, setup(delayed_update=True, gradient_slots=8)) == 8
+    assert gradient_slots(units, setup(update="delayed", gradient_slots=8)) == 8
     with pytest.raises(GradientSlotsError, match=r"^SlideFSDP gradient_slots=7: delayed_update holds one step's 7 "
                                                  r"gradient pieces until the next step's updates, so it needs at least "
                                                  r"8; set gradient_slots >= 8, or null to have it chosen$"):
-        gradient_slots(units, setup(delayed_update=True, gradient_slots=7))
+        gradient_slots(units, setup(update="delayed", gradient_slots=7))
 
 
 def test_host_memory_gb_replaces_memavailable_where_a_vm_grants_memory_as_it_is_used(monkeypatch):

@@ -56,10 +56,10 @@ def backward(pipeline, gradients, micro_batches: int = 1) -> None:
 
 
 def synchronous_step(pipeline, max_norm) -> torch.Tensor:
-    """The deferred update's optimizer step: clip the kept gradients, then update."""
-    norm = pipeline.clip_kept(max_norm, None)
-    for unit in pipeline.kept_units():
-        pipeline.update(unit)
+    """The synchronous update's optimizer step: the norm, then every unit's update after it, waited for."""
+    norm = pipeline.ordered_norm(max_norm, None, "stop")
+    pipeline.start_ordered()
+    pipeline.adam.wait()
     return norm
 
 
@@ -84,11 +84,11 @@ def test_a_speculative_step_is_the_synchronous_one_bit_for_bit_unless_clipping_f
     equal to the synchronous clipped update within float32 rounding, not bit for bit: the norm is summed piece by piece
     in float64 as the pieces arrive (``clip_kept`` stacks per-parameter float32 norms) and the coefficient multiplies
     inside the update rather than the kept gradient first. The held pieces go back to the ring at each validation."""
-    synchronous_schedule = UpdateSchedule.of(False, True, accumulation, "stop")
-    speculative_schedule = UpdateSchedule.of(False, True, accumulation, "stop", speculative_update=True)
+    synchronous_schedule = UpdateSchedule.of("synchronous", True, accumulation, "stop")
+    speculative_schedule = UpdateSchedule.of("speculative", True, accumulation, "stop")
     assert speculative_schedule.speculate and not speculative_schedule.defer and speculative_schedule.norms_on_arrival
     assert speculative_schedule.holds_pieces == (accumulation == 1)
-    (synchronous, params), (speculative, _) = (pipeline_of(synchronous_schedule),
+    (synchronous, params), (speculative, _) = (pipeline_of(synchronous_schedule, slots=PIECES_PER_STEP),
                                                pipeline_of(speculative_schedule, slots=PIECES_PER_STEP))
     generator = torch.Generator().manual_seed(1)
     for step, clips in enumerate([False, True, False, True]):
@@ -118,7 +118,7 @@ def test_a_step_with_an_infinite_gradient_is_undone_to_the_last_bit_and_the_next
     and the bfloat16 staging rows (rewritten from the restored master) equal the state before the step bit for bit.
     With ``skip_step`` the guard's ``drop_gradients`` then changes nothing more, and the next step is the one a
     pipeline that never saw the bad step takes; ``stop`` stops with nothing non-finite left."""
-    schedule = UpdateSchedule.of(False, False, 1, on_nonfinite, speculative_update=True)
+    schedule = UpdateSchedule.of("speculative", False, 1, on_nonfinite)
     assert schedule.speculate and not schedule.check_units_finite
     (pipeline, params), (clean, _) = (pipeline_of(schedule, slots=PIECES_PER_STEP),
                                       pipeline_of(schedule, slots=PIECES_PER_STEP))
@@ -145,17 +145,17 @@ def test_a_step_with_an_infinite_gradient_is_undone_to_the_last_bit_and_the_next
         target.adam.close()
 
 
-def test_speculation_is_refused_with_a_delayed_update_and_its_backup_is_counted_as_allocated():
-    """One line at construction with ``delayed_update``; without clipping and with ``on_nonfinite: warn`` nothing
-    could undo a step, so it is the plain overlapped update; the backup (master and both moments per trained shard
+def test_an_unknown_update_is_refused_and_the_speculative_backup_is_counted_as_allocated():
+    """One line at construction for an update that is not a choice; without clipping and with ``on_nonfinite: warn``
+    nothing could undo a step, so it is the plain overlapped update; the backup (master and both moments per trained shard
     row) is counted by the host accounting as allocated, and a ring too small to hold a step's pieces is refused."""
     from offload.host_memory import GradientSlotsError, gradient_slots
 
-    with pytest.raises(ValueError, match=r"^SlideFSDP speculative_update and delayed_update both overlap .* set one of "
-                                         r"them to false$"):
-        SlideFSDPStrategy(speculative_update=True, delayed_update=True)
-    assert UpdateSchedule.of(False, False, 1, "warn", speculative_update=True) == UpdateSchedule.of(False, False, 1, "warn")
-    schedule = UpdateSchedule.of(False, True, 1, "warn", speculative_update=True)
+    with pytest.raises(ValueError, match=r"^SlideFSDP update='speculate': set it to auto \(the fastest exact schedule "
+                                         r"that fits\), synchronous, forward, split, speculative or delayed"):
+        SlideFSDPStrategy(update="speculate")
+    assert UpdateSchedule.of("speculative", False, 1, "warn") == UpdateSchedule.of("synchronous", False, 1, "warn")
+    schedule = UpdateSchedule.of("speculative", True, 1, "warn")
     pipeline, _ = pipeline_of(schedule, slots=PIECES_PER_STEP)
     units = [UnitSize(layout.full_numel, layout.shard_numel) for layout in pipeline.layouts]
     for moments in (torch.float32, torch.bfloat16):
@@ -169,14 +169,15 @@ def test_speculation_is_refused_with_a_delayed_update_and_its_backup_is_counted_
     capacity_units = [UnitSize(128, 128)] * 3 + [UnitSize(448, 448, (320, 128))]
     held = HostSetup.of_knobs(torch.bfloat16, torch.bfloat16, torch.float32, 1, "full", "gpu_reduce", 2, False,
                               gradient_slots=6, speculate=True)
-    with pytest.raises(GradientSlotsError, match=r"speculative_update holds one step's 7 gradient pieces"):
+    with pytest.raises(GradientSlotsError, match=r"update: speculative holds one step's 7 gradient pieces"):
         gradient_slots(capacity_units, held)
     pipeline.adam.close()
 
 
 STEPS = 8
 SLIDE = ["--trainer.strategy.class_path", "offload.SlideFSDPStrategy"]
-SPECULATIVE = ["--trainer.strategy.init_args.speculative_update", "true"]
+SPECULATIVE = ["--trainer.strategy.init_args.update", "speculative"]
+SYNCHRONOUS = ["--trainer.strategy.init_args.update", "synchronous"]
 STATS = {"class_path": "callbacks.OffloadStats"}
 
 
@@ -190,12 +191,12 @@ def test_the_shipped_8b_with_the_speculative_update_is_refused_on_a_128_gib_host
     from tests.test_offload_host import GIB, _llama_8b_offload
 
     strategy, trainer, module, data = _llama_8b_offload()
-    strategy.delayed_update, strategy.speculative_update = False, True
+    strategy.update = "speculative"
     units = strategy.model_units(module, data, trainer.num_devices)
     plan = strategy.plan(trainer)
     assert plan.schedule.speculate and round(plan.host_buffers(units)["speculation_backup"] / GIB, 1) == 59.8
     with pytest.raises(ValueError, match=r"^SlideFSDP needs 153.5 GiB .* but 128.0 GiB are available; set "
-                                         r"speculative_update: false \(its backup is 59.8 GiB; delayed_update overlaps"):
+                                         r"update: auto \(its backup is 59.8 GiB; auto speculates only the blocks the host has room for\)"):
         plan.check_host(units, 128 * GIB, "available")
 
 
@@ -211,7 +212,7 @@ def test_speculative_clipping_takes_the_synchronous_steps_on_one_and_two_process
     settings = ["--model.config_overrides", '{"n_layer": 4}', "--trainer.gradient_clip_val", "1.1", *SLIDE]
     run(fit_in_process, tmp_path, [fit_arguments(tmp_path / name, *settings, *extra, devices=1, batch_size=4, steps=STEPS,
                                                  callbacks=[STATS])
-                                   for name, extra in (("synchronous", []), ("one", SPECULATIVE))], world=1)
+                                   for name, extra in (("synchronous", SYNCHRONOUS), ("one", SPECULATIVE))], world=1)
     monkeypatch.setenv(EMULATED_DELAY_VARIABLE, "2")
     ckpts, stop = tmp_path / "ckpt", {"class_path": "tests.probes.StopAtStep", "init_args": {"step": 3}}
     two = [*settings, *SPECULATIVE, "--trainer.strategy.init_args.param_transfer", "full"]
@@ -252,7 +253,7 @@ def test_speculative_clipping_with_lora_and_accumulation_takes_the_synchronous_s
                 *SLIDE, "--trainer.strategy.init_args.window", "1"]
     run(fit_in_process, tmp_path, [fit_arguments(tmp_path / name, *settings, *extra, batch_size=1, steps=6,
                                                  callbacks=[STATS])
-                                   for name, extra in (("synchronous", []), ("speculative", SPECULATIVE))], world=2)
+                                   for name, extra in (("synchronous", SYNCHRONOUS), ("speculative", SPECULATIVE))], world=2)
     want, got = metrics(tmp_path / "synchronous"), metrics(tmp_path / "speculative")
     clipped = [norm > 0.56 for norm in want["train/grad_norm"]]
     assert any(clipped) and not all(clipped), want["train/grad_norm"]

@@ -222,7 +222,7 @@ def test_the_steady_state_leaves_out_the_delayed_updates_synchronous_warm_up_too
     from offload import SlideFSDPStrategy
 
     callback = Throughput(peak_tflops=1.0)
-    strategy = SlideFSDPStrategy(delayed_update=True, delayed_update_warmup=10)
+    strategy = SlideFSDPStrategy(update="delayed", delayed_update_warmup=10)
     trainer = SimpleNamespace(world_size=1, strategy=strategy, global_step=global_step)
     callback.on_train_start(trainer, SimpleNamespace(model=None, hparams={}, device=torch.device("cpu")))
     callback.step_seconds = [3.0] * 10 + [1.0] * 4

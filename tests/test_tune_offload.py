@@ -50,7 +50,7 @@ def test_a_delayed_update_accumulating_on_the_host_is_refused_and_an_accumulatin
     delayed = ACCUMULATING.with_knobs({"delayed_update": True})
     assert outside(delayed, allowed, HOST_RUN) == (
         "delayed_update cannot accumulate gradients on the host: micro_batch=8 is under the batch per process 32; "
-        "use micro_batch=32, delayed_update=False or accumulate_on: device")
+        "use micro_batch=32, update="synchronous" or accumulate_on: device")
     assert outside(delayed.with_knobs({"micro_batch": 32}), allowed, HOST_RUN) is None
     overlay = delayed.with_knobs({"micro_batch": 32}).overlay(HOST_RUN)
     assert overlay["trainer"]["strategy"]["init_args"]["delayed_update"] is True
@@ -123,16 +123,16 @@ def test_an_exposed_cpu_update_moves_to_the_delayed_update_then_a_bigger_micro_b
     findings = [f for f in judge(exposed, EVIDENCE) if f.kind == "cpu_update"]
     changes = [p.candidate.changes(ACCUMULATING) for p in coder.propose(findings, ACCUMULATING)]
     # the device sums the micro-batches: the delayed update accumulates
-    assert changes == ["delayed_update=True", "micro_batch=16", "window=3", "param_transfer=shard", "grad_sync=cpu_reduce"]
+    assert changes == ["update="delayed"", "micro_batch=16", "window=3", "param_transfer=shard", "grad_sync=cpu_reduce"]
     on_host = [p.candidate.changes(ACCUMULATING)
                for p in Coder(SearchSpace().resolve(HOST_RUN), HOST_RUN).propose(findings, ACCUMULATING)]
     # accumulating on the host it cannot: the whole batch in one micro-batch comes with it
-    assert on_host == ["micro_batch=32 delayed_update=True", "micro_batch=16", "window=3", "param_transfer=shard",
+    assert on_host == ["micro_batch=32 update="delayed"", "micro_batch=16", "window=3", "param_transfer=shard",
                        "grad_sync=cpu_reduce"]
     synchronous = ACCUMULATING.with_knobs({"micro_batch": 16})
     whole = RunShape(1, 1, "cuda", 2048, 16, True)  # the batch per process is the micro-batch: one knob moves
     moves = Coder(SearchSpace().resolve(whole), whole).propose(findings, synchronous)
-    assert [p.candidate.changes(synchronous) for p in moves][:2] == ["delayed_update=True", "window=3"]
+    assert [p.candidate.changes(synchronous) for p in moves][:2] == ["update="delayed"", "window=3"]
     already = ACCUMULATING.with_knobs({"micro_batch": 16, "delayed_update": True})
     later = [p.candidate.changes(already) for p in coder.propose(findings, already)]
     assert later[0] == "micro_batch=32"  # delayed already: more tokens per step amortise the update

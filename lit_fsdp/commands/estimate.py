@@ -47,7 +47,8 @@ from lit_fsdp.commands.tune.space import Candidate
 from lit_fsdp.diloco import exchange_bytes, outer_state_bytes
 from offload.host_memory import (FLAG_ELEMENTS, RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, piece_capacity, pieces,
                                   with_runtime)
-from offload.step_time import slide_step_time
+from offload.step_time import ForwardOrder, slide_step_time
+from offload.update_split import speculated_units
 
 
 class _ConfigOnly(LitFsdpCLI):
@@ -214,6 +215,8 @@ def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype,
         per += master.itemsize
     if schedule.speculate:  # the rows backed up before the update (read, then written), the gradient read for its norm
         per += state + (4 if schedule.keep_gradients else reduce)
+    elif schedule.ordered and not schedule.keep_gradients:  # the held gradient read once more, for its norm on arrival
+        per += reduce
     if schedule.check_units_finite and strategy.grad_sync == "cpu_reduce":
         per += 4 if schedule.keep_gradients else reduce
     return parameters * per
@@ -259,7 +262,9 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     recompute, activation_plan = candidate.activation_checkpointing, None
     if candidate.strategy == "slide_fsdp":
         units = strategy.model_units(module, data, trainer.num_devices)
-        host = strategy.host_buffer_estimate(trainer, module, data, compute=compute, units=units)
+        host_bytes = int(hardware.host_memory_gb * GIB)
+        host = strategy.host_buffer_estimate(trainer, module, data, compute=compute, units=units, host_bytes=host_bytes)
+        slide_plan = strategy.split_plan(trainer, module, data, units, compute, host_bytes)
         traffic = slide_traffic(trainer, units, data.batch_size, data.seq_len, config.hidden_size, compute, reduce)
         update_bytes = cpu_update_bytes(trainer, model.trained, compute, reduce, units)
         planned = planned_activations(strategy, trainer, data, config, units, compute, trainer.hardware,
@@ -323,7 +328,8 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         reached = {**times, "compute_s": times["compute_s"] / efficiency}
         step_time = max(reached.values())
         if candidate.strategy == "slide_fsdp":
-            slide = slide_step(trainer, units, model_flops, flops, peak * 1e12 * efficiency, times, hardware, compute)
+            slide = slide_step(trainer, units, model_flops, flops, peak * 1e12 * efficiency, times, hardware, compute,
+                               slide_plan)
             step_model = asdict(slide)
             step_time = max(step_time, slide.step_s)
         bound = max(reached, key=reached.get).removesuffix("_s")
@@ -345,13 +351,15 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu, "mfu_peak_tflops": mfu_peak,
         "compute_efficiency": hardware.compute_efficiency, "step_model": step_model,
         "activation_plan": None if activation_plan is None else activation_plan.counts(),
+        "update": slide_plan.describe_update() if candidate.strategy == "slide_fsdp" else None,
         "checkpoint_bytes": checkpoint.total(weights_only=False), "checkpoint_counted": checkpoint.counted,
     }
 
 
 def slide_step(trainer: RunTrainer, units: list[UnitSize], model_flops: float, flops: float, rate: float,
-               times: dict[str, float], hardware: Hardware, compute: torch.dtype):
-    """SlideFSDP's step as ``offload.step_time`` schedules it, at ``rate`` FLOP/s on the device."""
+               times: dict[str, float], hardware: Hardware, compute: torch.dtype, plan: Any = None):
+    """SlideFSDP's step as ``offload.step_time`` schedules it, at ``rate`` FLOP/s on the device; ``plan``: the
+    strategy's plan with its split taken (default: the plan, split as the hardware file's host has room for)."""
     forward = model_flops / 3 / rate
     trained = [unit.trained() for unit in units]
     total = sum(unit.shard_numel for unit in trained) or 1
@@ -359,9 +367,34 @@ def slide_step(trainer: RunTrainer, units: list[UnitSize], model_flops: float, f
     # the last gradients of a backward: the first block's and the root's last part (the embeddings)
     last = trained[0].shard_numel + (max(root.part_sizes()) if root.part_sizes() else 0)
     refresh = last * trainer.num_devices * (4 + compute.itemsize) / (hardware.host_memory_gbps * 1e9)
-    schedule = trainer.strategy.plan(trainer, compute).schedule
-    return slide_step_time(forward, flops / rate - forward, times["h2d_s"], times["d2h_s"], times["cpu_update_s"],
-                           last / total, refresh, len(units) - 1, trainer.accumulate_grad_batches, schedule.name)
+    plan = plan or trainer.strategy.plan(trainer, compute).split(units, int(hardware.host_memory_gb * GIB))
+    schedule = plan.schedule
+    update = times["cpu_update_s"]
+    order = None
+    if schedule.behind_forward:
+        per_row = cpu_update_bytes(trainer, 1, compute, plan.reduce_dtype, units)
+        backup_row = adamw_state_bytes(plan.optimizer_state_dtype, plan.master_dtype)
+        order = forward_order(plan, units, update, trainer.strategy.window, backup_row / per_row)
+    return slide_step_time(forward, flops / rate - forward, times["h2d_s"], times["d2h_s"], update,
+                           last / total, refresh, len(units) - 1, trainer.accumulate_grad_batches, schedule.name, order)
+
+
+def forward_order(plan: Any, units: list[UnitSize], update_s: float, window: int, backup_share: float) -> ForwardOrder:
+    """The ordered update's parts (``offload.step_time.ForwardOrder``) for ``plan``'s split: each unit's share of the
+    node's ``update_s`` by its trained rows; a speculated row's update also reads and writes its master and moments
+    once more for the backup (``backup_share`` of its update's bytes)."""
+    trained = [unit.trained() for unit in units]
+    total = sum(unit.shard_numel for unit in trained) or 1
+    seconds = [update_s * unit.shard_numel / total for unit in trained]
+    speculated = speculated_units(units, plan.split_blocks) if plan.split_blocks is not None else {}
+    backup = 1 + backup_share
+    root = len(units) - 1
+    rows = speculated.get(root, (0, 0))
+    root_speculated = (rows[1] - rows[0]) / max(1, trained[root].shard_numel)
+    speculated_s = seconds[root] * root_speculated * backup + sum(
+        seconds[block] * backup for block in speculated if block != root)
+    return ForwardOrder(seconds[root] * (1 - root_speculated), tuple(seconds[:root]), plan.split_blocks or 0,
+                        speculated_s, window)
 
 
 def _gib(value: float) -> str:
@@ -394,6 +427,8 @@ def report(figures: dict[str, Any]) -> str:
                      f"({figures['cpu_update_bytes'] / trained:.0f} B per trained parameter)")
     if figures["activation_plan"]:
         lines.append(f"activations: {describe_plan(figures['activation_plan'])} (activation_plan)")
+    if figures.get("update"):
+        lines.append(f"update: {figures['update']}")
     lines.append(f"compute per process per step: {figures['flops'] / 1e12:.1f} TFLOP "
                  f"({figures['model_flops'] / 1e12:.1f} without recompute)")
     times = ", ".join(f"{name.removesuffix('_s')} {value:.3f} s" for name, value in figures["times"].items()

@@ -15,7 +15,7 @@ turns (each finding's first move, in the Judge's order, then each one's second, 
 - ``host_overhead``: a bigger micro-batch, larger units, compiled blocks (GPUs);
 - ``compute``: bfloat16 and compiled blocks on GPUs, less recompute (SlideFSDP: its activation plan), a bigger
   micro-batch;
-- ``cpu_update`` (SlideFSDP's CPU AdamW update gates the device): ``delayed_update`` (the update of a step runs
+- ``cpu_update`` (SlideFSDP's CPU AdamW update gates the device): ``update: delayed`` (the update of a step runs
   during the whole next step's forward and backward, not in its backward alone; accumulating on the host it cannot
   accumulate, so there a micro-batch under the batch per process becomes the whole batch in the same move), then a
   bigger micro-batch
@@ -144,9 +144,9 @@ class Coder:
     def cpu_update(self, base: Candidate) -> list[Move]:
         whole = self.run.batch_per_process
         whole_batch = base.micro_batch < whole and self.run.accumulate_on == "host"
-        delayed = {"delayed_update": True, **({"micro_batch": whole} if whole_batch else {})}
+        delayed = {"update": "delayed", **({"micro_batch": whole} if whole_batch else {})}
         return [
-            self._slide(base, {} if base.delayed_update else delayed),
+            self._slide(base, {} if base.update == "delayed" else delayed),
             self._next("micro_batch", base.micro_batch, up=True),
             self._next("window", base.window, up=True),
             self._other("param_transfer", base.param_transfer),
@@ -159,15 +159,15 @@ class Coder:
 
     def failure(self, base: Candidate) -> list[Move]:
         return [self._set("compile_blocks", False, base.compile_blocks), self._set("cpu_offload", False, base.cpu_offload),
-                self._slide(base, self._set("delayed_update", False, base.delayed_update)),
+                self._slide(base, self._set("update", "auto", base.update)),
                 self._slide(base, {"strategy": "fsdp2"})]
 
     def _runnable(self, base: Candidate, move: Move) -> Move:
         """``move``, with the delayed update turned off where the move would make it accumulate on the host (it cannot)."""
         moved = base.with_knobs(move)
-        if (moved.strategy == "slide_fsdp" and moved.delayed_update and moved.micro_batch < self.run.batch_per_process
+        if (moved.strategy == "slide_fsdp" and moved.update == "delayed" and moved.micro_batch < self.run.batch_per_process
                 and self.run.accumulate_on == "host"):
-            return {**move, "delayed_update": False}
+            return {**move, "update": "auto"}
         return move
 
     # --- proposals -------------------------------------------------------------------------------

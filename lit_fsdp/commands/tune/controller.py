@@ -184,7 +184,7 @@ class Controller:
         queue = deque([Proposal(default, "default")])
         if default.micro_batch != 1 and 1 in self.search.allowed["micro_batch"]:
             # a delayed update cannot accumulate; it changes the host's buffers only, not what is calibrated
-            queue.append(Proposal(default.with_knobs({"micro_batch": 1, "delayed_update": False}), "calibration"))
+            queue.append(Proposal(default.with_knobs({"micro_batch": 1, "update": "auto"}), "calibration"))
         try:
             while (stop := self.stop_reason()) is None:
                 if not queue:

@@ -40,9 +40,10 @@ r = 4 bytes per reduced gradient value):
 
 Per node on the host: SlideFSDP's buffers as ``offload.host_memory`` counts them for its preflight (14-18
 bytes per parameter, the gradient ring and offloaded activations, in the configs' reduce dtype; with LoRA the
-frozen base's p bytes, and the 14-18 for the adapters only): a kept fp32 gradient (4 more) with accumulation on the host, or
-with clipping without ``delayed_update``; a delayed update keeps none, but its ring holds a whole step's gradient
-pieces (``offload.host_memory.gradient_slots``). Or
+frozen base's p bytes, and the 14-18 for the adapters only): a kept fp32 gradient (4 more) with accumulation on the host;
+otherwise, where clipping or the guard defers the update (or ``update: delayed``), the ring holds a whole step's
+gradient pieces (``offload.host_memory.gradient_slots``); ``update: auto``'s split backs up only what the host has
+room for beside that, so it is not counted here (``offload.update_split``). Or
 FSDP2's 16 x P / shard group per process with ``cpu_offload``. On a CPU
 the device is the host, so a process's estimate also carries its share of the node's host bytes.
 """
@@ -227,7 +228,7 @@ def estimate(candidate: Candidate, model: ModelShape, run: RunShape, overhead: i
         plan = SlidePlan(
             window=candidate.window, param_transfer=candidate.param_transfer, grad_sync=candidate.grad_sync,
             activation_offload=candidate.activation_offload, activation_checkpointing=candidate.activation_checkpointing,
-            optimizer_state_dtype=getattr(torch, run.optimizer_state_dtype), delayed_update=candidate.delayed_update,
+            optimizer_state_dtype=getattr(torch, run.optimizer_state_dtype), update=candidate.update,
             gradient_slots=None, on_nonfinite=run.on_nonfinite,
             run=SlideRun(processes, run.nodes, -(-run.batch_per_process // candidate.micro_batch), run.clipping,
                          run.accelerator),

@@ -4,8 +4,9 @@
 A candidate maps onto a config overlay: ``trainer.strategy`` (``FSDP2Strategy`` or ``SlideFSDPStrategy``
 with the candidate's knobs), ``data.init_args.batch_size`` (the micro-batch) and
 ``trainer.accumulate_grad_batches`` (so that micro-batch x accumulation stays the configs' batch per process).
-SlideFSDP's ``delayed_update`` runs a step's CPU update during the next step, so with ``accumulate_on: host`` it needs
-the whole batch per process in one micro-batch: ``outside`` refuses it with accumulation there.
+SlideFSDP's ``update`` is searched between ``auto`` (the exact schedule that fits) and ``delayed`` (a step's CPU update
+run during the next step: stale by one update), which with ``accumulate_on: host`` needs the whole batch per process in
+one micro-batch: ``outside`` refuses it with accumulation there.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ _SLIDE_TYPES = get_type_hints(SlideFSDPStrategy.__init__)
 ParamTransfer = _SLIDE_TYPES["param_transfer"]
 GradSync = _SLIDE_TYPES["grad_sync"]
 ActivationOffload = _SLIDE_TYPES["activation_offload"]
+Update = _SLIDE_TYPES["update"]
 StrategyName = Literal["fsdp2", "slide_fsdp"]
 
 STRATEGY_CLASSES = {"fsdp2": "lit_fsdp.strategy.FSDP2Strategy", "slide_fsdp": "offload.SlideFSDPStrategy"}
 COMMON_KNOBS = ("micro_batch", "param_dtype", "activation_checkpointing")
 STRATEGY_KNOBS = {
     "fsdp2": ("sharding", "replicate_size", "blocks_per_group", "prefetch", "compile_blocks", "cpu_offload", "compression"),
-    "slide_fsdp": ("window", "param_transfer", "grad_sync", "activation_offload", "delayed_update", "activation_plan",
+    "slide_fsdp": ("window", "param_transfer", "grad_sync", "activation_offload", "update", "activation_plan",
                    "compile_blocks"),
 }
 
@@ -78,7 +80,7 @@ class Candidate:
     param_transfer: ParamTransfer = "full"
     grad_sync: GradSync = "gpu_reduce"
     activation_offload: ActivationOffload = "none"
-    delayed_update: bool = False
+    update: Update = "auto"
     activation_plan: Literal["auto"] | None = None  # SlideFSDP's plan chosen on the machine; None: activation_checkpointing
 
     def knobs(self) -> dict[str, Any]:
@@ -204,8 +206,8 @@ class SearchSpace:
     """SlideFSDP gradient reduction"""
     activation_offload: list[ActivationOffload] = field(default_factory=lambda: _all(ActivationOffload))
     """SlideFSDP activation offload"""
-    delayed_update: list[bool] = field(default_factory=lambda: [False, True])
-    """SlideFSDP's CPU update of a step run during the next step (ZeRO-Offload's delayed update; accumulating on the host: no)"""
+    update: list[Update] = field(default_factory=lambda: ["auto", "delayed"])
+    """SlideFSDP's update: auto (exact) or delayed (a step's update run during the next: stale; accumulating on the host: no)"""
     activation_plan: list[Literal["auto"] | None] = field(default_factory=lambda: [None, "auto"])
     """SlideFSDP's activation plan: null (activation_checkpointing decides) or auto (keep, host or recompute per block)"""
 
@@ -234,11 +236,11 @@ class SearchSpace:
         if any(not values[name] for name in ("strategy", "sharding", "param_dtype")):
             raise ValueError("--tune.space.strategy, sharding and param_dtype need at least one value each")
         if batch not in values["micro_batch"] and run.accumulate_on == "host":  # all accumulate: no delayed update
-            if values["delayed_update"] and not any(value is False for value in values["delayed_update"]):
-                raise ValueError(f"--tune.space.delayed_update [true] needs the batch per process {batch} in one "
+            if values["update"] and all(value == "delayed" for value in values["update"]):
+                raise ValueError(f"--tune.space.update [delayed] needs the batch per process {batch} in one "
                                  f"micro-batch (no accumulation): add {batch} to --tune.space.micro_batch")
-            values["delayed_update"] = [False]
-        for name in ("delayed_update", "activation_plan"):
+            values["update"] = [value for value in values["update"] if value != "delayed"]
+        for name in ("update", "activation_plan"):
             if not values[name]:
                 raise ValueError(f"--tune.space.{name} needs at least one value")
         return values
@@ -255,9 +257,9 @@ def outside(candidate: Candidate, allowed: dict[str, list], run: RunShape) -> st
         return "HYBRID_SHARD needs a replicate_size"
     if candidate.strategy == "slide_fsdp" and candidate.param_transfer == "shard" and run.processes_per_node < 2:
         return "param_transfer=shard needs >= 2 processes per node"
-    if (candidate.strategy == "slide_fsdp" and candidate.delayed_update and candidate.micro_batch < run.batch_per_process
-            and run.accumulate_on == "host"):
-        return (f"delayed_update cannot accumulate gradients on the host: micro_batch={candidate.micro_batch} is under "
+    if (candidate.strategy == "slide_fsdp" and candidate.update == "delayed"
+            and candidate.micro_batch < run.batch_per_process and run.accumulate_on == "host"):
+        return (f"update=delayed cannot accumulate gradients on the host: micro_batch={candidate.micro_batch} is under "
                 f"the batch per process {run.batch_per_process}; use micro_batch={run.batch_per_process}, "
-                "delayed_update=False or accumulate_on: device")
+                "update=auto or accumulate_on: device")
     return None

@@ -1,0 +1,59 @@
+"""SlideFSDP's update split: which units' updates are speculated during the backward (``update: split``), and what
+``update: auto`` takes.
+
+The backward sends the gradients top first: the root's parameters used after the blocks (final norm, head), then the
+blocks from the last down, then the root's parameters used before them (the embeddings). The next forward needs the
+weights in the other order. ``split`` speculates the units whose gradients arrive first: the root's trailing parts
+and the last ``blocks`` blocks, each updated on arrival after a backup of its rows (``offload.speculation``), hidden
+behind the rest of the backward; every other unit is updated after the norm in forward order, hidden behind the
+next forward (``offload.schedule``). The backup holds the speculated rows alone, so the split takes as many blocks as
+the host has room for (``largest_split``), and, where the step-time model is known (``estimate``, ``tune``), no more
+than the model finds worth their backup pass (``choose_split``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from offload.host_memory import UnitSize
+
+
+def speculated_units(units: Sequence[UnitSize], blocks: int) -> dict[int, tuple[int, int]]:
+    """Each speculated unit's rows ``[start, stop)`` of its trained shard for a split of the last ``blocks`` blocks
+    (units: blocks, then the root; the root's parts after its ``leading_parts``, which are laid out last)."""
+    trained = [unit.trained() for unit in units]
+    root = len(units) - 1
+    rows: dict[int, tuple[int, int]] = {}
+    parts = trained[root].part_sizes()
+    if len(parts) > trained[root].leading_parts:  # the root's trailing parts (one part: the whole root arrives last)
+        start = sum(parts[: trained[root].leading_parts])
+        rows[root] = (start, sum(parts))
+    for block in range(max(0, root - blocks), root):
+        if trained[block].shard_numel:
+            rows[block] = (0, trained[block].shard_numel)
+    return rows
+
+
+def largest_split(blocks: int, fits: Callable[[int], bool]) -> int | None:
+    """The most blocks (0 to ``blocks``) whose split ``fits`` the host, or None where not even the root's trailing
+    parts do (then ``update: forward``: nothing speculated)."""
+    low, high = -1, blocks  # fits(low) holds (or low is -1), the answer is in [low, high]
+    if not fits(0):
+        return None
+    low = 0
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def choose_split(blocks: int, fits: Callable[[int], bool], step_s: Callable[[int], float] | None = None) -> int | None:
+    """``auto``'s split: the fastest of the splits that fit by ``step_s`` (the fewest blocks among equals: the
+    smallest backup), else the largest that fits; None where none does."""
+    most = largest_split(blocks, fits)
+    if most is None or step_s is None:
+        return most
+    return min(range(most + 1), key=lambda k: (round(step_s(k), 6), k))
