@@ -3,9 +3,10 @@ the speculative update's rollbacks cost)? Loss curves on the CPU, paired seeds.
 
 Each seed trains the quickstart (gpt2-tiny on the embedded Markov data, clipping 1.0, its learning-rate schedule;
 ``--wikitext``: on WikiText-2 at the same shape) under SlideFSDP twice: the CPU update applied in the step
-(``delayed_update: false``) and one step late (``true``), the same data in the same order; ``--warmups`` adds delayed
+(``update: synchronous``) and one step late (``delayed``), the same data in the same order; ``--warmups`` adds delayed
 arms whose first steps are updated synchronously (``delayed_update_warmup``), ``--speculative`` the speculative arm
-(``speculative_update``: the synchronous steps, each rolled back and redone where clipping fires). A JSON line per run
+(``update: speculative``: the synchronous steps, each rolled back and redone where clipping fires), ``--ordered`` the
+ordered arms (``forward`` and ``split``: the synchronous steps, the updates after the norm in forward order). A JSON line per run
 goes to ``--out`` as it ends (so a partial run is usable): the train loss and gradient norm per step, the steps the
 speculative update rolled back, the validation losses. ``--table`` prints, from that file, each arm's mean and spread
 over seeds, the paired difference (delayed - synchronous) against the spread between seeds of the synchronous arm
@@ -13,6 +14,7 @@ over seeds, the paired difference (delayed - synchronous) against the spread bet
 
     python scripts/bench_delayed_update.py --seeds 1 2 3 --steps 300 --warmups 0 30 100
     python scripts/bench_delayed_update.py --seeds 1 --steps 500 --wikitext --speculative --out runs/clipping.jsonl
+    python scripts/bench_delayed_update.py --seeds 1 --steps 500 --wikitext --ordered --out runs/ordered.jsonl
     python scripts/bench_delayed_update.py --seeds 1 2 3 --steps 300 --plain-torch
     python scripts/bench_delayed_update.py --table
 """
@@ -47,12 +49,15 @@ def arm_name(warmup: int | None) -> str:
     return "synchronous" if warmup is None else "delayed" + (f", warm-up {warmup}" if warmup else "")
 
 
+#: The exact arms beside ``synchronous``: each takes the synchronous steps
+EXACT_ARMS = ("speculative", "forward", "split")
+
+
 def arm_knobs(arm: str) -> dict[str, str]:
-    """The SlideFSDP knobs of an arm named by ``arm_name`` or ``speculative``."""
-    if arm == "speculative":
-        return {"delayed_update": "false", "speculative_update": "true"}
-    warmup = arm.partition("warm-up ")[2] or "0"
-    return {"delayed_update": str(arm != "synchronous").lower(), "delayed_update_warmup": warmup}
+    """The SlideFSDP knobs of an arm named by ``arm_name`` or in ``EXACT_ARMS``."""
+    if arm in ("synchronous", *EXACT_ARMS):
+        return {"update": arm}
+    return {"update": "delayed", "delayed_update_warmup": arm.partition("warm-up ")[2] or "0"}
 
 
 def run(seed: int, arm: str, steps: int, devices: int, folder: Path, learning_rate: float, wikitext: bool,
@@ -202,7 +207,9 @@ def main() -> None:
                         help="delayed arms: optimizer steps updated synchronously first (delayed_update_warmup)")
     parser.add_argument("--synchronous", action=argparse.BooleanOptionalAction, default=True,
                         help="run the synchronous arm too (off: add delayed arms to a file that has it)")
-    parser.add_argument("--speculative", action="store_true", help="run the speculative arm too (speculative_update)")
+    parser.add_argument("--speculative", action="store_true", help="run the speculative arm too (update: speculative)")
+    parser.add_argument("--ordered", action="store_true",
+                        help="run the ordered arms too (update: forward and split: after the norm, in forward order)")
     parser.add_argument("--wikitext", action="store_true",
                         help="train on WikiText-2 (configs/wikipedia.yaml's data) at the quickstart's shape")
     parser.add_argument("--tail", type=int, default=50, help="steps the final train loss is averaged over")
@@ -211,13 +218,15 @@ def main() -> None:
     parser.add_argument("--plain-torch", action="store_true",
                         help="the reference instead: the same shape in plain torch, the gradient current or one step old")
     args = parser.parse_args()
-    if args.plain_torch and args.speculative:
-        parser.error("--speculative is SlideFSDP's mode: the plain-torch reference has only synchronous and delayed arms")
+    if args.plain_torch and (args.speculative or args.ordered):
+        parser.error("--speculative and --ordered are SlideFSDP's modes: the plain-torch reference has only synchronous "
+                     "and delayed arms")
     if not args.table:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as work:
             arms = ([None] if args.synchronous else []) + list(args.warmups)
-            named = [arm_name(warmup) for warmup in arms] + (["speculative"] if args.speculative else [])
+            named = ([arm_name(warmup) for warmup in arms] + (["speculative"] if args.speculative else [])
+                     + (["forward", "split"] if args.ordered else []))
             for seed in args.seeds:
                 for arm, warmup in zip(named, arms + [None] * len(named)):
                     row = (plain_torch(seed, warmup, args.steps, args.lr) if args.plain_torch else

@@ -61,7 +61,7 @@ EIGHT_B_BEFORE = {
     "data.init_args.batch_size": 8,  # 8 x 2048 = 16,384 tokens per optimizer step
     "trainer.gradient_clip_val": None,
     "trainer.strategy.init_args.optimizer_state_dtype": "float32",
-    "trainer.strategy.init_args.delayed_update": False,
+    "trainer.strategy.init_args.update": "synchronous",  # without clipping: every update on arrival
     "trainer.strategy.init_args.gradient_slots": 2,  # max(2, window): the ring of those windows
     "trainer.strategy.init_args.activation_offload": "cpu",
 }
@@ -111,13 +111,15 @@ EAGER = {"trainer": {"strategy": {"init_args": {"compile_blocks": False}}}}
 LORA = {"model": {"lora": {"rank": 16, "alpha": 32}}}
 
 
-#: The shipped 8B's update modes side by side, nothing else changed: the exact updates, synchronous (after the
-#: backward, clipped) and speculative (on arrival, validated after the backward), against the shipped delayed one.
-SYNCHRONOUS = {"trainer": {"strategy": {"init_args": {"delayed_update": False}}}}
-#: The shipped config's steady state: its delayed steps, as after the synchronous warm-up it ships (a short run would
-#: otherwise measure only the warm-up's steps).
-PAST_WARMUP = {"trainer": {"strategy": {"init_args": {"delayed_update_warmup": 0}}}}
-SPECULATIVE = {"trainer": {"strategy": {"init_args": {"delayed_update": False, "speculative_update": True}}}}
+#: The shipped 8B's update modes side by side, nothing else changed, against its shipped ``auto`` (the split): the
+#: delayed update (stale by one step, from its first step), the other exact ones: synchronous (after the norm, waited
+#: for), forward (after the norm in forward order, nothing speculated) and speculative (every unit, validated after
+#: the backward).
+DELAYED = {"trainer": {"strategy": {"init_args": {"update": "delayed", "delayed_update_warmup": 0}}}}
+SYNCHRONOUS = {"trainer": {"strategy": {"init_args": {"update": "synchronous"}}}}
+FORWARD = {"trainer": {"strategy": {"init_args": {"update": "forward"}}}}
+SPECULATIVE = {"trainer": {"strategy": {"init_args": {"update": "speculative"}}}}
+
 #: The activation plan chosen on the machine (offload/activation_plan.py) instead of every block recomputed.
 AUTO_PLAN = {"trainer": {"strategy": {"init_args": {"activation_plan": "auto"}}}}
 #: configs/llama_8b_offload_8k.yaml's 65,536 tokens in one micro-batch of 8, as it shipped before it accumulated.
@@ -130,7 +132,7 @@ def tuned(device: str) -> dict[str, Any]:
     micro-batches of llama-tiny's)."""
     micro_batches = {"data.init_args.batch_size": 8, "trainer.accumulate_grad_batches": 4} if device == "cuda" else {
         "trainer.accumulate_grad_batches": 2}
-    return merge(merge(merge(as_shipped(device), PAST_WARMUP), AUTO_PLAN), nest(micro_batches))
+    return merge(merge(as_shipped(device), AUTO_PLAN), nest(micro_batches))
 
 
 def float8(device: str) -> dict[str, Any]:
@@ -149,9 +151,10 @@ HOST_BLOCKS = {"trainer": {"strategy": {"init_args": {"activation_plan": {"host"
                                                        "activation_checkpointing": 0, "activation_offload": "none"}}}}
 DEVICE_SUMS = {"trainer": {"accumulate_grad_batches": 2, "strategy": {"init_args": {"accumulate_on": "device"}}}}
 BF16_MASTER = {"trainer": {"strategy": {"init_args": {"master_dtype": "bfloat16"}}}}
-#: Clipping at a norm every gradient exceeds: each speculated update is rolled back and applied again, clipped.
+#: Clipping at a norm every gradient exceeds, a split of the last block: each speculated update rolled back and
+#: applied again, clipped, behind the next forward, the first block's after the norm.
 ROLLBACK = {"trainer": {"gradient_clip_val": 1.0e-6,
-                        "strategy": {"init_args": {"delayed_update": False, "speculative_update": True}}}}
+                        "strategy": {"init_args": {"update": "split", "speculated_blocks": 1}}}}
 
 
 def offload_strategy(device: str, dtype: str, **knobs: Any) -> dict[str, Any]:

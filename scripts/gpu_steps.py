@@ -17,7 +17,7 @@ from typing import Any, Callable
 from gpu_fit import (HOST_MEMORY_VARIABLE, ROOT, Record, command, fit, fit_arguments, measuring, warmup_steps,
                      write_estimate, write_yaml)
 from gpu_overlays import (AUTO_PLAN, BF16_MASTER, DEVICE_SUMS, EAGER, FIRST_BLOCKS, HOST_BLOCKS, LORA, ONE_MICRO_BATCH,
-                          PAST_WARMUP, ROLLBACK, SPECULATIVE, SYNCHRONOUS, accelerator, as_shipped, eight_b_before,
+                          DELAYED, FORWARD, ROLLBACK, SPECULATIVE, SYNCHRONOUS, accelerator, as_shipped, eight_b_before,
                           float8, merge, offload_strategy, one_b, onebit, onebit_callbacks, slide_fsdp_syncs, tiny,
                           tuned)
 from gpu_probe import probe
@@ -113,17 +113,16 @@ def laid_over(base: Callable[[str], dict[str, Any]], overlays: tuple[Overlay, ..
 
 
 def eight_b_8k(*overlays: Overlay) -> Fit:
-    """configs/llama_8b_offload_8k.yaml past its warm-up with ``overlays`` laid over it in order."""
-    past_warmup = laid_over(as_shipped, (PAST_WARMUP,))
-    return Fit(EIGHT_B_8K, laid_over(past_warmup, overlays), steps=10, cpu_steps=3, offload=True)
+    """configs/llama_8b_offload_8k.yaml with ``overlays`` laid over it in order."""
+    return Fit(EIGHT_B_8K, laid_over(as_shipped, overlays), steps=10, cpu_steps=3, offload=True)
 
 
 def first_window(*overlays: Overlay) -> Fit:
-    """configs/llama_8b_offload.yaml past its synchronous warm-up on ``FIRST_BLOCKS`` blocks at 4 x 2048 with
-    ``overlays`` laid over it in order; 3 steps measured after the warm-up."""
+    """configs/llama_8b_offload.yaml on ``FIRST_BLOCKS`` blocks at 4 x 2048 with ``overlays`` laid over it in order; 3
+    steps measured after the warm-up."""
     four_sequences = {"data": {"init_args": {"batch_size": 4}}}
     small = laid_over(partial(as_shipped, layers=FIRST_BLOCKS),
-                      (PAST_WARMUP, lambda device: four_sequences if device == "cuda" else {}))
+                      (lambda device: four_sequences if device == "cuda" else {},))
     return Fit(EIGHT_B, laid_over(small, overlays), steps=3, cpu_steps=3, offload=True)
 
 
@@ -306,11 +305,12 @@ STEPS: dict[str, Step] = {step.name: step for step in (
     Step("probe", probe, 60, default=True,
          records="versions, device, host memory, cores; an 8 GiB registration; copy, GEMM and CPU update rates; a "
                  "Llama-8B-shaped step's share of the GEMM peak; hardware.json from them"),
-    Step("eight_b", eight_b(lambda device: merge(as_shipped(device), PAST_WARMUP)), 310, requires="slide_fsdp",
+    Step("eight_b", eight_b(as_shipped), 310, requires="slide_fsdp",
          default=True,
-         records="configs/llama_8b_offload.yaml as shipped, past its synchronous warm-up (delayed update): tokens/s, MFU, each step's time and "
-                 "p10/p50/p90, the CPU update's ms and GB/s, the device's idle time, the hidden and hideable shares, "
-                 "peaks, the lowest MemAvailable"),
+         records="configs/llama_8b_offload.yaml as shipped (update: auto, exact: the split it takes in the record): "
+                 "tokens/s, MFU, each step's time and p10/p50/p90, the CPU update's ms and GB/s, the forward's waits "
+                 "for the updates, the device's idle time, the hidden and hideable shares, peaks, the lowest "
+                 "MemAvailable"),
     Step("fsdp2_1b", fsdp2_1b(), 110, default=True,
          records="configs/llama_1b.yaml as shipped with its 128k vocabulary: tokens/s, MFU, device peak"),
     Step("first_host_blocks_compiled", first_window(HOST_BLOCKS), 120,
@@ -324,16 +324,22 @@ STEPS: dict[str, Step] = {step.name: step for step in (
          records="the first window: the bfloat16 master in the staging copy, rounded stochastically"),
     Step("first_float8", first_window(lambda device: float8(device)), 60,
          records="the first window: --model.float8 tensorwise on the blocks' linear layers (torchao as a wheel)"),
-    Step("first_speculative_rollback", first_window(ROLLBACK), 50,
-         records="the first window: the speculative update with clipping that fires every step: each speculated "
-                 "update rolled back and applied again"),
+    Step("first_split_rollback", first_window(ROLLBACK), 50,
+         records="the first window: a split of the last block with clipping that fires every step: each speculated "
+                 "update rolled back and applied again behind the next forward, the other block's after the norm"),
     Step("first_auto_plan", first_window(AUTO_PLAN), 60,
          records="the first window: activation_plan auto on the placed run (the host's room counted once): the plan "
                  "taken"),
+    Step("eight_b_delayed", eight_b(lambda device: merge(as_shipped(device), DELAYED)), 310, requires="slide_fsdp",
+         records="the shipped 8B with the delayed update from its first step (stale by one step): eight_b's figures, "
+                 "the step eight_b's exact update is measured against"),
+    Step("eight_b_forward", eight_b(lambda device: merge(as_shipped(device), FORWARD)), 320, requires="slide_fsdp",
+         records="the shipped 8B with update: forward (after the norm in forward order, nothing speculated): "
+                 "eight_b's figures, what the split's speculation buys"),
     Step("eight_b_synchronous", eight_b(lambda device: merge(as_shipped(device), SYNCHRONOUS)), 320,
          requires="slide_fsdp",
-         records="the shipped 8B with the synchronous update (clipped after the backward): eight_b's figures, what "
-                 "the delay buys"),
+         records="the shipped 8B with the synchronous update (after the norm, waited for): eight_b's figures, what "
+                 "the forward order buys"),
     Step("eight_b_speculative", eight_b(lambda device: merge(as_shipped(device), SPECULATIVE)), 310,
          requires="slide_fsdp",
          records="the shipped 8B with the speculative update (exact, validated after the backward): eight_b's "
@@ -343,12 +349,12 @@ STEPS: dict[str, Step] = {step.name: step for step in (
     Step("eight_b_control", eight_b(eight_b_before), 200, requires="slide_fsdp",
          records="the 8B with EIGHT_B_BEFORE laid over the shipped config (8 x 2048, float32 moments, no delayed "
                  "update, 2 gradient slots, no clipping): eight_b's figures"),
-    Step("eight_b_eager", eight_b(lambda device: merge(merge(as_shipped(device), PAST_WARMUP), EAGER)), 290,
+    Step("eight_b_eager", eight_b(lambda device: merge(as_shipped(device), EAGER)), 290,
          requires="slide_fsdp",
          records="the 8B as shipped with eager blocks: what compiling is worth to SlideFSDP's step"),
-    Step("slide_fsdp", Fit(EIGHT_B, lambda device: merge(as_shipped(device, layers=8), PAST_WARMUP), steps=8,
+    Step("slide_fsdp", Fit(EIGHT_B, lambda device: as_shipped(device, layers=8), steps=8,
                            offload=True, callbacks=slide_fsdp_syncs),
-         180, records="configs/llama_8b_offload.yaml with 8 of its 32 blocks past its synchronous warm-up (Throughput "
+         180, records="configs/llama_8b_offload.yaml with 8 of its 32 blocks (Throughput "
                       "leaves those steps out): the 8B's figures, host syncs per step"),
     Step("parity", parity, 130,
          records="float32 FSDP2 against SlideFSDP (window 2, activations checkpointed and offloaded, overlapped "
@@ -380,21 +386,21 @@ STEPS: dict[str, Step] = {step.name: step for step in (
          records="scripts/bench_peers.py: the 8B's refusals, then 8 of its 32 blocks under DeepSpeed ZeRO-3 and ZeRO-2 "
                  "with CPU offload, FSDP2's CPUOffloadPolicy, Lightning's FSDP with cpu_offload and SlideFSDP: "
                  "tokens/s, MFU, peaks, every step's time"),
-    Step("eight_b_auto", eight_b(lambda device: merge(merge(as_shipped(device), PAST_WARMUP), AUTO_PLAN)), 320,
+    Step("eight_b_auto", eight_b(lambda device: merge(as_shipped(device), AUTO_PLAN)), 320,
          requires="slide_fsdp",
-         records="the shipped 8B past its warm-up with activation_plan: auto: eight_b's figures and the plan taken"),
+         records="the shipped 8B with activation_plan: auto: eight_b's figures and the plan taken"),
     Step("eight_b_tuned", eight_b(tuned), 330, requires="slide_fsdp",
          records="the shipped 8B with tune's pick (activation_plan: auto, 4 micro-batches of 8 summed on the device): "
                  "eight_b's figures against the 42.3% MFU estimate predicts"),
     Step("eight_b_8k", eight_b_8k(), 360, requires="slide_fsdp",
          records="configs/llama_8b_offload_8k.yaml (4 micro-batches of 2 x 8192 tokens summed on the device, "
-                 "activation_plan: auto) past its warm-up: eight_b's figures at ml_dataflow's sequence length"),
+                 "activation_plan: auto): eight_b's figures at ml_dataflow's sequence length"),
     Step("eight_b_8k_unsplit", eight_b_8k(lambda device: ONE_MICRO_BATCH), 360, requires="slide_fsdp",
          records="the 8k config's 65,536 tokens in one micro-batch of 8 (no accumulation; its plan recomputes more): "
                  "what the device's sum of 4 micro-batches buys"),
-    Step("eight_b_float8", eight_b(lambda device: merge(merge(as_shipped(device), PAST_WARMUP), float8(device))), 330,
+    Step("eight_b_float8", eight_b(lambda device: merge(as_shipped(device), float8(device))), 330,
          requires="slide_fsdp",
-         records="the shipped 8B past its warm-up with --model.float8 tensorwise (torchao as a wheel): eight_b's "
+         records="the shipped 8B with --model.float8 tensorwise (torchao as a wheel): eight_b's "
                  "figures, MFU against the bf16 peak"),
     Step("eight_b_8k_float8", eight_b_8k(float8), 380, requires="slide_fsdp",
          records="the 8k config with --model.float8 tensorwise: eight_b's figures, MFU against the bf16 peak"),

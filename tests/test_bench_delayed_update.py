@@ -11,10 +11,10 @@ import bench_delayed_update as bench  # noqa: E402
 
 
 def test_every_arm_sets_the_update_mode_it_names():
-    assert bench.arm_knobs("synchronous") == {"delayed_update": "false", "delayed_update_warmup": "0"}
-    assert bench.arm_knobs("delayed") == {"delayed_update": "true", "delayed_update_warmup": "0"}
-    assert bench.arm_knobs(bench.arm_name(30)) == {"delayed_update": "true", "delayed_update_warmup": "30"}
-    assert bench.arm_knobs("speculative") == {"delayed_update": "false", "speculative_update": "true"}
+    assert bench.arm_knobs("synchronous") == {"update": "synchronous"}
+    assert bench.arm_knobs("delayed") == {"update": "delayed", "delayed_update_warmup": "0"}
+    assert bench.arm_knobs(bench.arm_name(30)) == {"update": "delayed", "delayed_update_warmup": "30"}
+    assert [bench.arm_knobs(arm) for arm in bench.EXACT_ARMS] == [{"update": arm} for arm in bench.EXACT_ARMS]
 
 
 def test_the_clipping_table_counts_the_steps_whose_norm_the_clipping_cut_early_and_late():

@@ -95,9 +95,9 @@ def test_slide_fsdp_keeps_a_window_on_the_device_and_14_to_20_bytes_per_paramete
     auto = estimate(slide, TINY, run_shape(accelerator="cuda", batch=m))  # the ring and in-flight gradients in bfloat16
     assert gpu.working_set - auto.working_set == (ROOT + 2 * BLOCK) * 2
     assert gpu.host_per_node - auto.host_per_node == ring(PIECES, 2)
-    # clipping without delayed_update: a kept fp32 gradient takes each piece on arrival; max(2, window) buffers
+    # clipping (update: auto, ordered after the norm): each piece waits in its buffer for the norm; no fp32 copy
     clipped = estimate(slide, TINY, replace(run_shape(accelerator="cuda", batch=m, clipping=True), reduce_dtype="float32"))
-    assert clipped.host_per_node - gpu.host_per_node == 4 * TINY.parameters + ring(2, 4) - ring(PIECES, 4)
+    assert clipped.host_per_node == gpu.host_per_node
     # float32 staging; 2 micro-batches summed on the device: each process's float32 sum of its shard there, no kept
     # gradient on the host
     cpu = estimate(slide, TINY, run_shape(accelerator="cpu", batch=4))
@@ -109,14 +109,14 @@ def test_slide_fsdp_keeps_a_window_on_the_device_and_14_to_20_bytes_per_paramete
     assert on_host.host_per_node == TINY.parameters * (4 + 8 + 4 + 4) + ring(2, 4) + LAYERS * m * s * HIDDEN * 4 * 2
 
 
-def test_a_delayed_update_keeps_no_fp32_gradient_but_its_ring_holds_a_step_of_pieces_and_two_more():
+def test_a_delayed_update_keeps_no_fp32_gradient_and_its_ring_holds_a_step_of_pieces_and_two_more():
     m = 2
     run = replace(run_shape(accelerator="cuda", batch=m, clipping=True), reduce_dtype="float32")
-    synchronous = Candidate(strategy="slide_fsdp", window=2, micro_batch=m)
-    delayed = synchronous.with_knobs({"delayed_update": True})
-    kept = estimate(synchronous, TINY, run)
+    exact = Candidate(strategy="slide_fsdp", window=2, micro_batch=m)
+    delayed = exact.with_knobs({"update": "delayed"})
+    kept = estimate(exact, TINY, run)
     held = estimate(delayed, TINY, run)
-    assert kept.host_per_node == TINY.parameters * (4 + 8 + 2 + 4) + ring(2, 4)  # kept fp32 gradient, 2 buffers
+    assert kept.host_per_node == TINY.parameters * (4 + 8 + 2) + ring(PIECES, 4)  # a step's pieces until the norm
     assert held.host_per_node == TINY.parameters * (4 + 8 + 2) + ring(PIECES + 2, 4)  # a step's pieces + max(2, window)
     assert held.device_total == kept.device_total  # the delay changes the host's buffers only
     wide = estimate(delayed.with_knobs({"window": 3}), TINY, run)  # the next backward's first pieces: max(2, window)
@@ -142,7 +142,7 @@ def test_the_filter_rejects_offloaded_state_that_does_not_fit_in_host_memory():
     hardware = Hardware(accelerator="cpu", device_memory_gb=16.0, host_memory_gb=0.002)
     memory = MemoryFilter(TINY, run_shape(clipping=True), hardware, margin=0.1)
     slide = Candidate(strategy="slide_fsdp", micro_batch=8)
-    needed = (TINY.parameters * 20 + 2 * 2 * (piece_capacity([UnitSize.of(BLOCK, 2)], False, 2) + 1) * 4) / GIB  # 20 B/param, the float32 ring
+    needed = (TINY.parameters * 16 + ring(PIECES, 4)) / GIB  # 16 B/param; a step's pieces wait in the float32 ring
     assert math.isclose(memory.estimate(slide).host_per_node / GIB, needed, rel_tol=1e-9)
     assert "of host memory per node for offloaded state" in memory.rejection(slide)
     assert memory.rejection(Candidate(micro_batch=8)) is None

@@ -15,10 +15,11 @@ turns (each finding's first move, in the Judge's order, then each one's second, 
 - ``host_overhead``: a bigger micro-batch, larger units, compiled blocks (GPUs);
 - ``compute``: bfloat16 and compiled blocks on GPUs, less recompute (SlideFSDP: its activation plan), a bigger
   micro-batch;
-- ``cpu_update`` (SlideFSDP's CPU AdamW update gates the device): ``update: delayed`` (the update of a step runs
-  during the whole next step's forward and backward, not in its backward alone; accumulating on the host it cannot
-  accumulate, so there a micro-batch under the batch per process becomes the whole batch in the same move), then a
-  bigger micro-batch
+- ``cpu_update`` (SlideFSDP's CPU AdamW update gates the device): ``update: auto`` (the exact schedule that hides
+  most: the update after the norm behind the next forward, the first-arriving units speculated), or, from ``auto`` and
+  where the space allows it, ``update: delayed`` (the update of a step runs during the whole next step's forward and
+  backward; accumulating on the host it cannot accumulate, so there a micro-batch under the batch per process becomes
+  the whole batch in the same move), then a bigger micro-batch
   (more tokens per step amortise the update, whose time does not grow with them), then a wider window, the other
   transfer and reduction paths, no activation offload;
 - ``numerics``: back to exact gradients and float32;
@@ -145,8 +146,10 @@ class Coder:
         whole = self.run.batch_per_process
         whole_batch = base.micro_batch < whole and self.run.accumulate_on == "host"
         delayed = {"update": "delayed", **({"micro_batch": whole} if whole_batch else {})}
+        schedule = self._set("update", "auto", base.update) if base.update not in ("auto", "delayed") else (
+            delayed if base.update == "auto" and "delayed" in self.allowed["update"] else {})
         return [
-            self._slide(base, {} if base.update == "delayed" else delayed),
+            self._slide(base, schedule),
             self._next("micro_batch", base.micro_batch, up=True),
             self._next("window", base.window, up=True),
             self._other("param_transfer", base.param_transfer),

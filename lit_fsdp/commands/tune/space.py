@@ -4,9 +4,10 @@
 A candidate maps onto a config overlay: ``trainer.strategy`` (``FSDP2Strategy`` or ``SlideFSDPStrategy``
 with the candidate's knobs), ``data.init_args.batch_size`` (the micro-batch) and
 ``trainer.accumulate_grad_batches`` (so that micro-batch x accumulation stays the configs' batch per process).
-SlideFSDP's ``update`` is searched between ``auto`` (the exact schedule that fits) and ``delayed`` (a step's CPU update
-run during the next step: stale by one update), which with ``accumulate_on: host`` needs the whole batch per process in
-one micro-batch: ``outside`` refuses it with accumulation there.
+SlideFSDP's ``update`` is searched among the exact schedules (``auto``, the one that fits, and the named ones); the
+delayed update (a step's CPU update run during the next step: stale by one update) only where the space names it, and
+with ``accumulate_on: host`` it needs the whole batch per process in one micro-batch: ``outside`` refuses it with
+accumulation there.
 """
 
 from __future__ import annotations
@@ -206,8 +207,8 @@ class SearchSpace:
     """SlideFSDP gradient reduction"""
     activation_offload: list[ActivationOffload] = field(default_factory=lambda: _all(ActivationOffload))
     """SlideFSDP activation offload"""
-    update: list[Update] = field(default_factory=lambda: ["auto", "delayed"])
-    """SlideFSDP's update: auto (exact) or delayed (a step's update run during the next: stale; accumulating on the host: no)"""
+    update: list[Update] = field(default_factory=lambda: ["auto", "synchronous", "forward", "split", "speculative"])
+    """SlideFSDP's update schedules (exact; add delayed, a step's update run during the next, to search the stale one)"""
     activation_plan: list[Literal["auto"] | None] = field(default_factory=lambda: [None, "auto"])
     """SlideFSDP's activation plan: null (activation_checkpointing decides) or auto (keep, host or recompute per block)"""
 
