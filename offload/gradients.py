@@ -175,6 +175,7 @@ class GradientPipeline:
         self.ready: dict[int, Future] = {}  # unit: its ordered update, until a load has waited for it
         self.forward_waits: list[tuple[float, float]] = []  # (start, end) of the loads' waits for ordered updates
         self.rollbacks: list[tuple[bool, float]] = []  # a split's rollbacks, as its ordered updates finish
+        self.kept_order: list[tuple[int, int, int]] = []  # the kept pieces (unit, rows) in the order they arrived
         self.attach(adam)
 
     def _device_sums(self) -> dict[tuple[int, int], torch.Tensor]:
@@ -319,6 +320,7 @@ class GradientPipeline:
                 self.finite[unit] = True
             if self.received[unit] < self.pieces_per_unit[unit]:  # the first micro-batch's pieces come first
                 kept.copy_(shard)
+                self.kept_order.append((unit, start, stop))
             else:
                 kept.add_(shard)
             self.finite[unit] &= finite is not False
@@ -373,6 +375,7 @@ class GradientPipeline:
         if undo and self.speculation is not None:
             self.speculation.undo()
         self.ready.clear()
+        self.kept_order = []
         self.accumulated.clear()
         self.received = [0] * len(self.layouts)
         self._release_held()
@@ -552,19 +555,19 @@ class GradientPipeline:
     def clip_kept(self, max_norm: float | None, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
         """Scale the kept gradients so that their global norm is at most ``max_norm`` (if set); returns the norm before.
 
-        The norm covers every rank's rows (``norm_group`` sums over the node's shards; replicas hold
-        the same rows and are not counted twice), as ``torch.nn.utils.clip_grad_norm_`` computes it.
+        The norm covers every rank's rows (``norm_group`` sums over the node's shards; replicas hold the same rows and
+        are not counted twice), summed as ``delayed_norm`` sums the held pieces': each piece's squared norm in the
+        order the pieces arrived, in float64, so that a kept sum and a held gradient of the same values give the same
+        norm and coefficient to the bit (the padding rows are zeros).
         """
         assert self.host.gradients is not None, "clipping needs kept gradient buffers"
         self.adam.wait()
-        norms = [
-            torch.linalg.vector_norm(view)
-            for unit in self.kept_units() for view in self.layouts[unit].local_views(self.host.gradients[unit])
-        ]
-        squared = torch.linalg.vector_norm(torch.stack(norms)).pow(2) if norms else torch.zeros(())
+        order, self.kept_order = self.kept_order, []
+        squared = torch.tensor(sum(squared_norm(self.host.gradients[unit][start:stop]) for unit, start, stop in order),
+                               dtype=torch.float64)
         if norm_group is not None:
             dist.all_reduce(squared, group=norm_group)
-        total = squared.sqrt()
+        total = squared.sqrt().to(torch.float32)
         if max_norm:
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for unit in self.kept_units():

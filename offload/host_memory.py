@@ -154,7 +154,7 @@ def gradient_slots(units: Sequence[UnitSize], setup: HostSetup) -> int:
     least = per_step + 1 if setup.holds_step else per_step if held else 1
     if setup.gradient_slots is not None:
         if setup.gradient_slots < least:
-            why = (f"delayed_update holds one step's {per_step} gradient pieces until the next step's updates, so it "
+            why = (f"update: delayed holds one step's {per_step} gradient pieces until the next step's updates, so it "
                    f"needs at least {least}" if setup.holds_step else
                    f"update: {'speculative' if setup.speculate else 'forward'} holds one step's {per_step} gradient "
                    f"pieces until the norm is known, so it needs at least {least}" if held else "at least 1 is needed")

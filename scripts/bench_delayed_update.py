@@ -96,7 +96,7 @@ def clipping(rows: list[dict], early: int = 100) -> str:
             continue
         fired = [norm + 1e-6 > MAX_NORM for norm in norms]
         share = (lambda xs: f"{sum(xs) / len(xs):.1%}" if xs else "n/a")
-        rolled = f"{sum(row['rollbacks']) / len(row['rollbacks']):.1%}" if row.get("rollbacks") and row["arm"] == "speculative" else ""
+        rolled = f"{sum(row['rollbacks']) / len(row['rollbacks']):.1%}" if row.get("rollbacks") and row["arm"] in ("speculative", "split") else ""
         lines.append(f"| {row['arm']} | {row['seed']} | {len(norms)} | {share(fired)} | {share(fired[:early])} | "
                      f"{share(fired[early:])} | {rolled} |")
     return "\n".join(lines)

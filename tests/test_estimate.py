@@ -90,20 +90,45 @@ def _figures(capsys, *arguments: str, hardware: Path = H100) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_the_shipped_8b_offload_config_on_one_h100_hides_its_delayed_update_and_fits_its_host(capsys):
+DELAYED = ["--trainer.strategy.init_args.update", "delayed"]
+EIGHT_B_8K = REPO / "configs" / "llama_8b_offload_8k.yaml"
+
+
+def test_the_shipped_8b_offload_config_on_one_h100_is_exact_within_3_percent_of_its_delayed_variant(capsys):
+    """update: auto on the H100 file: the split takes the head side and 18 blocks (the host's room beside the rest),
+    the others updated after the norm in forward order behind the next forward; the step within 3% of the same config
+    delayed (stale by one step), where the synchronous update is 25% slower; the host within its 128 GiB."""
     figures = _figures(capsys)
-    assert round(figures["host_bytes"] / GIB, 1) == 94.4 and figures["fits"]
+    assert figures["fits"] and figures["host_bytes"] <= 128 * GIB
     assert figures["host_by_buffer"]["runtime"] == 3 * GIB
     assert figures["tokens_per_step"] == 32 * 2048 and figures["strategy"] == "slide_fsdp"
-    # bfloat16 moments, delayed: 16 B/param of AdamW state read and written, the bfloat16 gradient read as it arrived
-    # (2), and the staging row rewritten from the master after the unit's last load (4 read, 2 written)
-    assert figures["cpu_update_bytes"] == figures["parameters"] * 24
+    assert figures["update"] == "split: the root's head side and the last 18 blocks speculated, the rest in forward order"
+    # bfloat16 moments: 16 B/param of AdamW state read and written, the bfloat16 gradient read as it arrived (2) and
+    # once more for its norm (2), the staging row written from the chunk (2)
+    assert figures["cpu_update_bytes"] == figures["parameters"] * 22
     times, model = figures["times"], figures["step_model"]
     assert times["cpu_update_s"] == pytest.approx(figures["cpu_update_bytes"] / 80e9)
-    assert model["schedule"] == "delayed" and model["update_s"] < model["forward_s"] + model["backward_s"]
-    assert model["exposed_update_s"] < 0.02 * model["step_s"]  # only the last units' staging rewrite
+    assert model["schedule"] == "forward" and model["speculated_blocks"] == 18
+    delayed, synchronous = (_figures(capsys, *DELAYED), _figures(capsys, "--trainer.strategy.init_args.update",
+                                                                 "synchronous"))
+    assert delayed["step_model"]["schedule"] == "delayed" and delayed["host_bytes"] < figures["host_bytes"]
+    assert figures["step_time_s"] <= 1.03 * delayed["step_time_s"]
+    assert synchronous["step_time_s"] > 1.25 * delayed["step_time_s"]
     # the device streams every block twice but the last (window 2) and the root once; no activations offloaded
     assert figures["h2d_bytes"] == pytest.approx(29.58e9, rel=1e-3) and figures["d2h_bytes"] == pytest.approx(16.06e9, rel=1e-3)
+
+
+def test_the_8k_config_ships_the_micro_batching_closest_to_its_delayed_variant_exactly(capsys):
+    """At 8k the exact update hides behind the first micro-batch's forward only: the shipped single micro-batch of 8
+    sequences is the exact micro-batching closest to the delayed one's best (2 sequences, 4 micro-batches summed on
+    the device), still 10% or more behind it (docs/offload.md#the-update says why)."""
+    eight_k = ["--config", str(EIGHT_B_8K)]
+    shipped = _figures(capsys, *eight_k)
+    assert shipped["tokens_per_step"] == 8 * 8192 and shipped["step_model"]["schedule"] == "forward" and shipped["fits"]
+    micro = ["--data.init_args.batch_size", "2", "--trainer.accumulate_grad_batches", "4"]
+    accumulated, delayed = _figures(capsys, *eight_k, *micro), _figures(capsys, *eight_k, *micro, *DELAYED)
+    assert shipped["step_time_s"] < accumulated["step_time_s"]
+    assert 1.10 * delayed["step_time_s"] < shipped["step_time_s"] < 1.20 * delayed["step_time_s"]
 
 
 def test_rates_fitted_to_one_recorded_run_predict_another_run_of_that_window_within_15_percent(tmp_path, capsys):
@@ -143,8 +168,8 @@ EAGER = ["--trainer.strategy.init_args.compile_blocks", "false"]
 
 
 #: window 4's recorded runs: the configs and arguments each ran with
-WINDOW_4_RUNS = {"eight_b_compiled": ([EIGHT_B], []),  # the 8B as shipped
-                 "eight_b": ([EIGHT_B], EAGER),
+WINDOW_4_RUNS = {"eight_b_compiled": ([EIGHT_B], ["--trainer.strategy.init_args.update", "delayed"]),  # as shipped then
+                 "eight_b": ([EIGHT_B], ["--trainer.strategy.init_args.update", "delayed", *EAGER]),
                  "eight_b_control": ([EIGHT_B], [*EIGHT_B_BEFORE, *EAGER]),
                  "fsdp2_1b": ([REPO / "configs" / "llama_1b.yaml"], [])}
 
@@ -189,8 +214,29 @@ def test_the_step_models_schedules_overlap_the_update_as_slide_fsdp_runs_it():
     assert step("delayed").step_s == pytest.approx(3.05) and step("delayed", update=4.0).step_s == 4.0
     assert step("overlapped", micro_batches=2).step_s == pytest.approx(1 + 1 + 0.1 + 3)
     assert step("after", h2d=6.0).forward_s == 3.0  # the weights stream in slower than the forward computes
-    with pytest.raises(ValueError, match="schedule 'later': overlapped, after or delayed"):
+    with pytest.raises(ValueError, match="schedule 'later': overlapped, after, forward or delayed"):
         step("later")
+
+
+def test_the_forward_order_waits_where_the_chain_of_updates_outruns_the_next_forward():
+    """``ForwardOrder``: the root's update (embeddings) always waits; blocks whose updates run no slower than their
+    forward wait for nothing more but the window's lag; a slower host, or a short forward (accumulation), exposes the
+    rest; speculated blocks leave the chain; speculated updates longer than the backward delay its start."""
+    from offload.step_time import ForwardOrder, slide_step_time
+
+    def wait(block_s, speculated=0, speculated_s=0.0, root_s=0.1, window=1, forward=1.0):
+        return ForwardOrder(root_s, (block_s,) * 10, speculated, speculated_s, window).forward_wait_s(forward, 2.0)
+
+    assert wait(0.1) == pytest.approx(0.1 + 0.1)  # the root's update, then block 0's: the rest just in time
+    assert wait(0.1, window=2) == pytest.approx(0.3)  # the host waits for block 1's update before block 0's compute
+    assert wait(0.2) == pytest.approx(0.1 + 10 * 0.2 + 0.1 - 1.0)  # 2 s of updates behind 1 s of forward
+    assert wait(0.2, speculated=5) == pytest.approx(0.1 + 5 * 0.2 + 6 * 0.1 - 1.0)  # half the chain speculated
+    assert wait(0.1, speculated=10, speculated_s=2.5) == pytest.approx(0.7 + 0.1)  # the worker busy 0.7 s past the end
+    step = slide_step_time(1.0, 2.0, 0.0, 0.5, 1.0, 0.1, 0.05, 10, 2, "forward",
+                           ForwardOrder(0.1, (0.1,) * 10, 0, 0.0, 1))
+    assert step.step_s == pytest.approx(3.0 + 1.15 - 0.5)  # only the first micro-batch's forward (0.5 s) hides it
+    with pytest.raises(ValueError, match="the forward schedule, and it alone"):
+        slide_step_time(1.0, 2.0, 0.0, 0.5, 1.0, 0.1, 0.05, 10, 1, "forward")
 
 
 def test_a_config_that_names_another_machine_than_the_hardware_is_one_clear_error():

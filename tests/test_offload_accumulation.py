@@ -66,7 +66,7 @@ def test_a_delayed_update_accumulating_on_the_host_is_refused_before_launch_nami
                      activation_checkpointing=0, optimizer_state_dtype=None, update="delayed", gradient_slots=None,
                      on_nonfinite="stop", run=SlideRun(1, 1, 4, True, "cpu"), compute_dtype=None, reduce_dtype=None,
                      accumulate_on="host")
-    with pytest.raises(ValueError, match="^SlideFSDP delayed_update with accumulate_on: host would rewrite .* set "
+    with pytest.raises(ValueError, match="^SlideFSDP update: delayed with accumulate_on: host would rewrite .* set "
                                          "accumulate_on: device"):
         plan.check_knobs()
     plan = replace(plan, accumulate_on="device")

@@ -109,7 +109,7 @@ def test_auto_dtype_is_bfloat16_on_a_gpu_with_it_in_hardware(monkeypatch):
 
 def test_a_delayed_update_accumulating_on_the_host_is_refused_in_preflight_and_on_the_device_is_not():
     strategy = on(GPU, SlideFSDPStrategy(update="delayed", accumulate_on="host"))
-    with pytest.raises(ValueError, match="delayed_update with accumulate_on: host would rewrite .* set accumulate_on: "
-                                         "device .* or delayed_update: false"):
+    with pytest.raises(ValueError, match="update: delayed with accumulate_on: host would rewrite .* set accumulate_on: "
+                                         "device .* or update: auto"):
         strategy.preflight(_trainer(1, accumulation=2), module=None)
     on(GPU, SlideFSDPStrategy(update="delayed")).plan(_trainer(1, accumulation=2)).check_knobs()
