@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -20,14 +19,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lit_fsdp import checkpoints
-from lit_fsdp.lightning_compat import METADATA_FILENAME as _METADATA_FILENAME
-from lit_fsdp.lightning_compat import is_sharded_checkpoint as _is_sharded_checkpoint
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.reliability import OnNonFinite
 from lit_fsdp.lifecycle import CausalLMStrategy, DType
@@ -35,7 +30,7 @@ from offload import adamw_kernel
 from offload.activation_plan import ActivationPlanSpec
 from offload.compile import compile_forwards
 from offload.cpu_adam import CpuAdam
-from offload.engine import FORWARD, OffloadStep, SlideEngine
+from offload.engine import FORWARD, SlideEngine
 from offload.gradients import GradientPipeline
 from offload.host import HostState, SharedMarks, SharedStaging, can_pin, node_tag
 from offload.host_memory import UnitSize
@@ -44,13 +39,15 @@ from offload.plan import SlidePlan, SlideRun, check_knob_values, model_units, pl
 from offload.preflight import UpdateThreads, host_memory_budget
 from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
+from offload.strategy_checkpoints import SlideCheckpoints
+from offload.strategy_report import SlideReport
 from offload.transfers import Transfers
 from offload.update_split import speculated_units
 
 OptimizerStateDType = Literal["float32", "bfloat16"]
 
 
-class SlideFSDPStrategy(CausalLMStrategy):
+class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
     """Layer-streaming CPU offload (SlideFSDP): master weights and AdamW on the host, a window of blocks on the device."""
 
     strategy_name = "slide_fsdp"
@@ -177,6 +174,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
         self.update_threads_reason = self.activation_plan_taken = ""  # set in setup_environment, place; in the record
         self.update_taken = ""  # the update schedule as place() took it (``SlidePlan.describe_update``)
         self.speculated_share = 0.0  # of this rank's trained rows, those a split speculates
+        self.taken_plan: SlidePlan | None = None  # the plan place() took, its split chosen
 
     # --- before any worker starts ------------------------------------------------------------------
 
@@ -209,23 +207,6 @@ class SlideFSDPStrategy(CausalLMStrategy):
     def model_units(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
         """Every unit's size with ``shards`` ranks per node, from the model on the meta device (``offload.plan``)."""
         return model_units(module, datamodule, shards, self.block_class, self.grad_sync == "gpu_reduce")
-
-    def host_buffer_estimate(self, trainer: Any, module: pl.LightningModule, datamodule: Any = None,
-                             compute: torch.dtype | None = None, units: list[UnitSize] | None = None,
-                             host_bytes: int | None = None) -> dict[str, int]:
-        """The node's host bytes per buffer for this run; offloaded activations need ``datamodule`` (its batch size
-        and sequence length); ``units`` are ``model_units``' when the caller has them already; ``host_bytes``: the
-        node's memory a split is chosen within (default: this host's budget)."""
-        units = units or self.model_units(module, datamodule, trainer.num_devices)
-        plan = self.split_plan(trainer, module, datamodule, units, compute, host_bytes)
-        return plan.host_buffers(units, plan.activation_bytes(units, module, datamodule))
-
-    def split_plan(self, trainer: Any, module: pl.LightningModule, datamodule: Any, units: list[UnitSize],
-                   compute: torch.dtype | None = None, host_bytes: int | None = None) -> SlidePlan:
-        """This run's plan with its split taken within ``host_bytes`` per node (default: this host's budget)."""
-        plan = self.plan(trainer, compute)
-        available = host_bytes if host_bytes is not None else host_memory_budget(self.host_memory_gb)[0]
-        return plan.split(units, available, plan.activation_bytes(units, module, datamodule))
 
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
         """The knobs against the run, LoRA's dtype, then the host buffers against the host's memory."""
@@ -302,7 +283,7 @@ class SlideFSDPStrategy(CausalLMStrategy):
             numel = sum(layout.full_numel for layout in layouts)
             shared = SharedStaging(numel, compute, pin, shard_rank, node_tag(self.node_rank), shard_mesh.get_group())
         sizes = sizes_of(layouts, trained, self.grad_sync == "gpu_reduce", leading_root_places(network, blocks, trained[-1]))
-        plan = self.placed_split(plan, sizes)
+        plan = self.taken_plan = self.placed_split(plan, sizes)
         self.host = HostState(
             layouts, compute, reduce, full_staging=full, keep_gradients=plan.schedule.keep_gradients,
             incoming_full=self.grad_sync == "cpu_reduce", ring_size=plan.ring_slots(sizes), pin=pin, shared=shared,
@@ -360,32 +341,6 @@ class SlideFSDPStrategy(CausalLMStrategy):
     def unsteady_steps(self) -> int:
         """The delayed update's synchronous warm-up (``delayed_update_warmup``)."""
         return self.delayed_update_warmup if self.delayed_update else 0
-
-    def offload_report(self) -> SlideFSDPStrategy | None:
-        """This strategy: it gives what ``lit_fsdp.reporting.OffloadReport`` declares, once its engine is built."""
-        return self if self.engine is not None else None
-
-    @property
-    def last_step(self) -> OffloadStep | None:
-        """The pieces of the last optimizer step (transfers, CPU update, backward), None before the first."""
-        return self.engine.last_step if self.engine is not None else None
-
-    def parameter_count(self) -> int:
-        assert self.host is not None
-        return self.host.parameter_count()
-
-    def host_buffer_bytes(self) -> dict[str, int]:
-        """This rank's host bytes per buffer as allocated (``offload.host_memory`` names; a shared staging copy is
-        counted by local rank 0; offloaded activations once the first step has made them)."""
-        assert self.host is not None and self.engine is not None
-        parts = self.host.buffer_bytes(count_shared=self.cpu_mesh["shard"].get_local_rank() == 0)
-        parts["adam_moments"] = self.adam.nbytes() if self.adam is not None else 0
-        parts["speculation_backup"] = self.engine.gradients.speculation_bytes()
-        return parts
-
-    def host_state_bytes(self) -> int:
-        """This rank's host buffers in all (``host_buffer_bytes``)."""
-        return sum(self.host_buffer_bytes().values())
 
     def refresh_staging(self) -> None:
         """Rewrite every staging copy from the master rows (after init or a checkpoint load)."""
@@ -499,41 +454,6 @@ class SlideFSDPStrategy(CausalLMStrategy):
             yield
         finally:
             self.engine.accumulating = False
-
-    # --- checkpoints -----------------------------------------------------------------------------
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.host_state_dict is not None
-        self.apply_delayed_updates()
-        return self.host_state_dict.model_state()
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        assert self.host_state_dict is not None and self.adam is not None
-        self.apply_delayed_updates()
-        return self.host_state_dict.optimizer_state(self.adam)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
-
-        path = Path(self.broadcast(checkpoint_path))
-        self._holds_adapters(path)  # verified; with LoRA, adapters for this run's base (the state below holds no other)
-        if not _is_sharded_checkpoint(path):
-            raise ValueError(f"{path} is not a sharded checkpoint folder (with {_METADATA_FILENAME}); SlideFSDP resumes from those")
-        assert self.host_state_dict is not None
-        state: dict[str, Any] = {"state_dict": self.host_state_dict.model_state()}
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.adam is not None
-        if fitting:
-            state["optimizer_0"] = self.host_state_dict.optimizer_state(self.adam)
-        if self.adam is not None:  # no update may land on the loaded weights
-            self.adam.wait()
-        dcp.load(state, checkpoint_id=path)
-        if self.engine is not None and self.adam is not None:  # gradients of the weights that were replaced
-            self.engine.gradients.stale.clear()  # refresh_staging below rewrites every row
-            self.engine.gradients.discard()
-        if fitting:
-            HostStateDict.restore_groups(self.adam, state["optimizer_0"])
-        self.refresh_staging()
-        return checkpoints.load(path / _METADATA_FILENAME)
 
     def teardown(self) -> None:
         if self.engine is not None:  # a run stopped between micro-batches: a later fit starts with no sum

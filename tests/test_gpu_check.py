@@ -59,7 +59,9 @@ def test_every_step_runs_in_cpu_mode_and_leaves_its_records(tmp_path):
     assert {"offload_device_idle_ms", "offload_cpu_update_hidden_share", "offload_cpu_update_hideable_share"} <= set(eight_b)
     # the first window's steps: each new path ran, the rollback's forced and the plan auto took recorded
     assert set(gpu_steps.PLANS["first_window"][1:]) <= set(measured)
-    assert runs["first_speculative_rollback"]["result"]["offload_rollback_share"] == 1.0
+    rolled = runs["first_split_rollback"]  # every step's rollback, counted with the next step's figures
+    assert rolled["result"]["offload_rollbacks"] == rolled["steps_done"] - 1 and rolled["result"]["offload_update"].startswith("split")
+    assert runs["eight_b"]["result"]["offload_update"].startswith("split")  # the shipped 8B's exact update
     taken = runs["first_auto_plan"]["result"]["offload_activation_plan"]  # in words: "2 kept on the device"
     assert re.fullmatch(r"\d+ (on the host|recomputed|kept on the device)(, \d+ (recomputed|kept on the device))*", taken)
     assert runs["eight_b_float8"]["same_run_as"] == "eight_b" or "torchao" in sys.modules  # one CPU run, two records
@@ -123,7 +125,7 @@ def test_a_step_is_one_row_of_the_table_and_a_fit_row_runs_its_configs_with_its_
 
 
 STRATEGY_KNOBS = ("window", "param_transfer", "grad_sync", "activation_offload", "param_dtype", "reduce_dtype",
-                  "activation_checkpointing", "optimizer_state_dtype", "delayed_update", "gradient_slots", "host_memory_gb")
+                  "activation_checkpointing", "optimizer_state_dtype", "update", "gradient_slots", "host_memory_gb")
 
 
 def test_the_control_lays_the_old_8b_settings_over_the_shipped_config_and_as_shipped_changes_nothing_else(
@@ -146,7 +148,7 @@ def test_the_control_lays_the_old_8b_settings_over_the_shipped_config_and_as_shi
                                                      gpu_overlays.nest(gpu_overlays.EIGHT_B_BEFORE)))
     assert as_shipped == {**shipped, "host_memory_gb": "120.0"}
     assert control == {**as_shipped, "batch_size": 8, "gradient_clip_val": None, "optimizer_state_dtype": "float32",
-                       "delayed_update": "False", "gradient_slots": "2", "activation_offload": "cpu"}
+                       "update": "synchronous", "gradient_slots": "2", "activation_offload": "cpu"}
 
 
 def test_the_update_rate_is_estimates_bytes_over_the_measured_time_and_a_figure_a_record_lacks_prints_n_a():

@@ -127,3 +127,56 @@ def test_the_forward_order_is_the_synchronous_update_with_lora_and_with_a_bfloat
     want, got = one_process[f"{name}_synchronous"], one_process[f"{name}_forward"]
     assert got["train/loss"] == want["train/loss"] and got["train/grad_norm"] == want["train/grad_norm"]
     assert sum(got["offload/forward_wait_ms"]) > 0
+
+
+def test_the_update_knobs_that_cannot_work_are_refused_in_one_line_naming_the_fix():
+    from offload import SlideFSDPStrategy
+    from offload.plan import SlidePlan, SlideRun
+
+    for knobs, message in (
+            ({"update": "forward", "speculated_blocks": 2}, r"^SlideFSDP speculated_blocks=2: the blocks update: split "
+                                                            r"\(or auto\) speculates, >= 0; or null"),
+            ({"speculated_blocks": -1}, r"^SlideFSDP speculated_blocks=-1: "),
+            ({"delayed_update_warmup": 10}, r"^SlideFSDP delayed_update_warmup=10 warms up update: delayed; set "
+                                            r"update: delayed, or delayed_update_warmup: 0$")):
+        with pytest.raises(ValueError, match=message):
+            SlideFSDPStrategy(**knobs)
+    plan = SlidePlan(window=1, param_transfer="full", grad_sync="gpu_reduce", activation_offload="none",
+                     activation_checkpointing=0, optimizer_state_dtype=torch.float32, update="split",
+                     gradient_slots=None, on_nonfinite="stop", run=SlideRun(1, 1, 2, True, "cpu"),
+                     compute_dtype=torch.float32, reduce_dtype=torch.float32, accumulate_on="host")
+    with pytest.raises(ValueError, match=r"^SlideFSDP update: split speculates .* set accumulate_on: device, or "
+                                         r"update: forward$"):
+        plan.check_knobs()
+
+
+def test_the_split_speculates_the_first_arriving_units_and_counts_their_backup_as_allocated():
+    """The root's parameters used after the blocks (final norm, head) arrive first, then the last blocks; a split of
+    ``k`` blocks backs up those rows alone (``speculated_units``), which the host accounting counts, and ``auto``
+    takes as many blocks as fit, or the fewest of the fastest by the step-time model."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_fsdp.parallelize import find_blocks
+    from lit_fsdp.presets import build_config
+    from offload.host_memory import HostSetup, host_buffers
+    from offload.layout import build_layouts, leading_root_places
+    from offload.plan import sizes_of
+    from offload.update_split import choose_split, speculated_units
+
+    for preset, leading in (("gpt2-tiny", 2), ("llama-tiny", 1)):  # wte and wpe (the head tied to wte); embed_tokens
+        with torch.device("meta"):
+            network = AutoModelForCausalLM.from_config(build_config(preset))
+        blocks = find_blocks(network, None)
+        layouts = [*build_layouts(network, blocks, 1, 0)[0], build_layouts(network, blocks, 1, 0)[1]]
+        assert leading_root_places(network, blocks, layouts[-1]) == leading, preset
+    units = sizes_of(layouts, layouts, gpu_reduce=True, leading_places=1)  # llama-tiny: embed, norm, head
+    root = units[-1]
+    embed = root.parts[0]
+    assert speculated_units(units, 0) == {len(units) - 1: (embed, root.shard_numel)}
+    assert speculated_units(units, 1) == {len(units) - 1: (embed, root.shard_numel), len(units) - 2: (0, units[-2].shard_numel)}
+    setup = HostSetup.of_knobs(torch.float32, torch.float32, torch.bfloat16, 1, "full", "gpu_reduce", 2, False,
+                               ordered=True, split_blocks=1)
+    backup = (root.shard_numel - embed + units[-2].shard_numel) * (4 + 2 * 2)
+    assert host_buffers(units, setup)["speculation_backup"] == backup
+    assert choose_split(len(units) - 1, lambda k: k <= 1) == 1 and choose_split(4, lambda k: False) is None
+    assert choose_split(4, lambda k: True, step_s=lambda k: 10.0 - min(k, 2)) == 2  # no faster past 2: the fewest
