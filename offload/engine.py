@@ -11,14 +11,17 @@
   head's update starts with the backward, the embeddings' at its end. Only trained parameters have gradients: a
   block with frozen ones (LoRA's base) still uses them after its adapters' last gradient (its input's gradient needs
   them), so it is released once the backward has reached the block below (``before_backward``) or ended.
-- **optimizer step**: wait for the outstanding updates; with clipping (or ``on_nonfinite: skip_step``),
-  first the global norm, then every update (the updates cannot start before the norm is known: that
-  overlap is lost), unless they are delayed by one step (``delayed_update``, ZeRO-Offload's DPU): then the
-  step's updates are queued with the norm known and run during the next step's forward and backward, which
-  computes with weights one update old (``offload.gradients``); or speculative (``offload.speculation``): the updates
-  ran during the backward and the norm validates them, undoing them if clipping or the guard fires. The step's figures (``OffloadStep``) are read
-  then; the CPU update's hidden part is measured against the device's backward (``offload.transfers.BackwardClock``),
-  and, delayed, against the forward and backward that the host ran before it waited for the updates.
+- **optimizer step**: wait for the outstanding updates, then account for the step (``OffloadStep``). Where clipping
+  or ``on_nonfinite: stop``/``skip_step`` needs the global norm first (``offload.schedule``), the updates wait for it:
+  after the norm they are queued one per unit in forward order (``update: forward``, ``split``: not waited for, the
+  next forward's load of each unit waits for its own update through ``DeviceWindow.before_load``; ``synchronous``:
+  waited for here), a split's first-arriving units having been speculated during the backward; or they are delayed by
+  one step (``delayed``, ZeRO-Offload's DPU: queued with the norm known, run during the next step's forward and
+  backward, which computes with weights one update old; ``offload.gradients``); or speculative
+  (``offload.speculation``): the updates ran during the backward and the norm validates them, undoing them if
+  clipping or the guard fires. The CPU update's hidden part is measured against the device's backward
+  (``offload.transfers.BackwardClock``), and, delayed or ordered, against the forward and backward that the host ran
+  before it waited for the updates, less its waits.
 """
 
 from __future__ import annotations
@@ -247,8 +250,9 @@ class SlideEngine:
     # --- optimizer step ----------------------------------------------------------------------------
 
     def finish_step(self, adam: CpuAdam, warming_up: bool = False) -> OffloadStep:
-        """Wait for every CPU update of this step (starting the kept ones first), or with ``delay_updates`` for the last
-        step's, then queue this step's (and, ``warming_up``, apply them before the next step); and account for it."""
+        """Wait for every CPU update of this step that ran on arrival; queue the ones that waited for the norm (in
+        forward order, waited for only by ``synchronous``), or, delayed, this step's for the next (``warming_up``:
+        applied before the next step); and account for it."""
         self.gradients.send_leftover_sums(update_now=not self.schedule.defer)
         waited = min([time.perf_counter(), *(start for start, _ in adam.wait_intervals)])  # the host's step ended
         adam.wait()  # the gradients of this step have all arrived (and were applied, without clipping or delay)

@@ -32,7 +32,7 @@ ARMS = {
     "bfloat16 master, stochastic rounding": ({"master_dtype": "bfloat16"}, {}),
     "bfloat16 master, rounded to nearest": ({"master_dtype": "bfloat16"}, {ROUNDING_VARIABLE: "nearest"}),
 }
-COMMON = {"param_dtype": "float32", "delayed_update": "false"}
+COMMON = {"param_dtype": "float32", "update": "synchronous"}
 
 
 def main() -> None:

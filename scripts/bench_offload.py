@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = {
     "slide_fsdp": {"class_path": "offload.SlideFSDPStrategy"},
     # the one-step delayed update (DPU): with --trainer.gradient_clip_val set, the row to put beside slide_fsdp's
-    "slide_fsdp_delayed": {"class_path": "offload.SlideFSDPStrategy", "init_args": {"delayed_update": True}},
+    "slide_fsdp_delayed": {"class_path": "offload.SlideFSDPStrategy", "init_args": {"update": "delayed"}},
     "fsdp2_cpu_offload": {"class_path": "lit_fsdp.strategy.FSDP2Strategy", "init_args": {"cpu_offload": True}},
     "fsdp2": {"class_path": "lit_fsdp.strategy.FSDP2Strategy"},
 }

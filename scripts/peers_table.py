@@ -49,11 +49,11 @@ PEERS: dict[str, Peer] = {
         "Lightning's FSDPStrategy(cpu_offload=True) (FSDP1, a decoder block per unit) in a Trainer, bf16-mixed",
         16, FP32_STATE),
     "slide_fsdp": Peer(
-        "SlideFSDP: python -m lit_fsdp fit with configs/llama_8b_offload.yaml as shipped (the update delayed one step, "
-        "past its warm-up; bfloat16 moments)", app=True, strategy={"delayed_update_warmup": 0}),
+        "SlideFSDP: python -m lit_fsdp fit with configs/llama_8b_offload.yaml as shipped (the exact update: auto, "
+        "hidden behind the next forward; bfloat16 moments)", app=True),
     "slide_fsdp_exact": Peer(
         "SlideFSDP with the synchronous update and float32 moments: the peers' AdamW, exact",
-        app=True, strategy={"delayed_update": False, "optimizer_state_dtype": "float32"}),
+        app=True, strategy={"update": "synchronous", "optimizer_state_dtype": "float32"}),
 }
 
 

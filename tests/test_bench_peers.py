@@ -173,9 +173,9 @@ def test_slide_fsdp_runs_the_shipped_8b_config_with_the_peers_adamw_and_shape(tm
         assert json.loads(call["--model.config_overrides"]) == {"num_hidden_layers": 2}
         assert call["--trainer.strategy.init_args.compile_blocks"] == "false"  # on the CPU only
         assert json.loads(call["--trainer.callbacks"])[0]["init_args"] == {"warmup_steps": 0}  # every step's time
-    assert shipped["--trainer.strategy.init_args.delayed_update_warmup"] == "0"
-    assert (exact["--trainer.strategy.init_args.delayed_update"],
-            exact["--trainer.strategy.init_args.optimizer_state_dtype"]) == ("false", "float32")
+    assert not any(key.startswith("--trainer.strategy.init_args.update") for key in shipped)  # as shipped
+    assert (exact["--trainer.strategy.init_args.update"],
+            exact["--trainer.strategy.init_args.optimizer_state_dtype"]) == ("synchronous", "float32")
 
 
 def test_a_rank_records_its_own_error_and_the_row_takes_it(tmp_path, monkeypatch):

@@ -128,11 +128,13 @@ def test_offload_config_records_every_measuring_callback_and_moves_the_bytes_est
     assert record_["offload_d2h_gb"] == pytest.approx(predicted["d2h_bytes"] / 1e9, rel=1e-6)
     assert record_["offload_h2d_gb"] > 0 and record_["offload_d2h_gb"] > 0
     assert record_["offload_h2d_gbps"] > 0 and record_["offload_cpu_update_ms"] > 0
-    assert record_["offload_cpu_update_hidden_share"] == 0  # clipping (the quickstart's): updates wait for the norm
+    # clipping (the quickstart's): the updates after the norm, hidden behind the next forward (update: auto)
+    assert record_["offload_cpu_update_hidden_share"] > 0.5
     assert record_["offload_update_threads"].endswith("update threads: Lightning's setting on CPU runs")
     # What was allocated equals what the preflight counted (offload.host_memory, from the same layouts): fp32 master 4
-    # + moments 8 + fp32 staging 4 + kept gradients (clipping) 4 B/param, the gradient ring and the checkpointed
-    # inputs on the host (a large share at this size: the tiny model's root is most of it)
+    # + moments 8 + fp32 staging 4 B/param, the split's backup (the host has room for every block), the gradient ring
+    # holding a step's pieces until the norm (clipping) and the checkpointed inputs on the host (a large share at this
+    # size: the tiny model's root is most of it)
     assert record_["host_state_gb_per_node"] == pytest.approx(record_["host_estimate_gb_per_node"], rel=0.02)
     assert record_["host_gb_per_billion_params"] > 20
     assert record_["tokens_per_s"] > 0 and record_["peak_rss_gb"] > 0
