@@ -123,7 +123,7 @@ class GradientPipeline(DeferredUpdates):
                 (``take_nonfinite``) for the strategy's guard. With ``delay`` each piece waits in its buffer for the
                 next step's update (module docstring), its squared norm added to ``squared_norm`` on arrival with
                 ``norms_on_arrival``.
-            speculated: ``split``: each speculated unit's rows (``offload.update_split.speculated_units``).
+            speculated: ``split``: each speculated unit's rows (``offload.host_memory.speculated_units``).
             marks: With a staging copy the node's ranks share, where each marks the units it has updated (ordered).
         """
         self.layouts, self.host, self.transfers = layouts, host, transfers

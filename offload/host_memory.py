@@ -194,13 +194,11 @@ def host_buffers(units: Sequence[UnitSize], setup: HostSetup) -> dict[str, int]:
 
 def speculated_numel(units: Sequence[UnitSize], setup: HostSetup) -> int:
     """One rank's trained rows whose updates are speculated: every row (``speculate``), the split's
-    (``offload.update_split.speculated_units``), or none."""
+    (``offload.host_memory.speculated_units``), or none."""
     if setup.speculate:
         return sum(unit.trained().shard_numel for unit in units)
     if setup.split_blocks is None or setup.keep_gradients:
         return 0
-    from offload.update_split import speculated_units
-
     return sum(stop - start for start, stop in speculated_units(units, setup.split_blocks).values())
 
 
@@ -213,3 +211,19 @@ def describe(parts: dict[str, int]) -> str:
     """``master 29.9, adam_moments 59.8, ...`` in GiB, largest first, zeros left out."""
     ordered = sorted(((v, k) for k, v in parts.items() if v), reverse=True)
     return ", ".join(f"{name} {value / GIB:.1f}" for value, name in ordered)
+
+
+def speculated_units(units: Sequence[UnitSize], blocks: int) -> dict[int, tuple[int, int]]:
+    """Each speculated unit's rows ``[start, stop)`` of its trained shard for a split of the last ``blocks`` blocks
+    (units: blocks, then the root; the root's parts after its ``leading_parts``, which are laid out last)."""
+    trained = [unit.trained() for unit in units]
+    root = len(units) - 1
+    rows: dict[int, tuple[int, int]] = {}
+    parts = trained[root].part_sizes()
+    if len(parts) > trained[root].leading_parts:  # the root's trailing parts (one part: the whole root arrives last)
+        start = sum(parts[: trained[root].leading_parts])
+        rows[root] = (start, sum(parts))
+    for block in range(max(0, root - blocks), root):
+        if trained[block].shard_numel:
+            rows[block] = (0, trained[block].shard_numel)
+    return rows

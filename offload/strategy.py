@@ -33,7 +33,7 @@ from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, SlideEngine
 from offload.gradients import GradientPipeline
 from offload.host import HostState, SharedMarks, SharedStaging, can_pin, node_tag
-from offload.host_memory import UnitSize
+from offload.host_memory import UnitSize, speculated_units
 from offload.layout import build_layouts, leading_root_places, trained_layouts
 from offload.plan import SlidePlan, SlideRun, check_knob_values, model_units, placed_costs, sizes_of
 from offload.preflight import UpdateThreads, host_memory_budget
@@ -42,7 +42,6 @@ from offload.state_dict import HostStateDict
 from offload.strategy_checkpoints import SlideCheckpoints
 from offload.strategy_report import SlideReport
 from offload.transfers import Transfers
-from offload.update_split import speculated_units
 
 OptimizerStateDType = Literal["float32", "bfloat16"]
 

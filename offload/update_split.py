@@ -4,7 +4,7 @@
 The backward sends the gradients top first: the root's parameters used after the blocks (final norm, head), then the
 blocks from the last down, then the root's parameters used before them (the embeddings). The next forward needs the
 weights in the other order. ``split`` speculates the units whose gradients arrive first: the root's trailing parts
-and the last ``blocks`` blocks, each updated on arrival after a backup of its rows (``offload.speculation``), hidden
+and the last ``blocks`` blocks (``offload.host_memory.speculated_units``), each updated on arrival after a backup of its rows (``offload.speculation``), hidden
 behind the rest of the backward; every other unit is updated after the norm in forward order, hidden behind the
 next forward (``offload.schedule``). The backup holds the speculated rows alone, so the split takes as many blocks as
 the host has room for (``largest_split``), and, where the step-time model is known (``estimate``, ``tune``), no more
@@ -13,25 +13,7 @@ than the model finds worth their backup pass (``choose_split``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
-from offload.host_memory import UnitSize
-
-
-def speculated_units(units: Sequence[UnitSize], blocks: int) -> dict[int, tuple[int, int]]:
-    """Each speculated unit's rows ``[start, stop)`` of its trained shard for a split of the last ``blocks`` blocks
-    (units: blocks, then the root; the root's parts after its ``leading_parts``, which are laid out last)."""
-    trained = [unit.trained() for unit in units]
-    root = len(units) - 1
-    rows: dict[int, tuple[int, int]] = {}
-    parts = trained[root].part_sizes()
-    if len(parts) > trained[root].leading_parts:  # the root's trailing parts (one part: the whole root arrives last)
-        start = sum(parts[: trained[root].leading_parts])
-        rows[root] = (start, sum(parts))
-    for block in range(max(0, root - blocks), root):
-        if trained[block].shard_numel:
-            rows[block] = (0, trained[block].shard_numel)
-    return rows
+from collections.abc import Callable
 
 
 def largest_split(blocks: int, fits: Callable[[int], bool]) -> int | None:

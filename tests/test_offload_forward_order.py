@@ -161,7 +161,8 @@ def test_the_split_speculates_the_first_arriving_units_and_counts_their_backup_a
     from offload.host_memory import HostSetup, host_buffers
     from offload.layout import build_layouts, leading_root_places
     from offload.plan import sizes_of
-    from offload.update_split import choose_split, speculated_units
+    from offload.host_memory import speculated_units
+    from offload.update_split import choose_split
 
     for preset, leading in (("gpt2-tiny", 2), ("llama-tiny", 1)):  # wte and wpe (the head tied to wte); embed_tokens
         with torch.device("meta"):

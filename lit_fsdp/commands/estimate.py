@@ -46,9 +46,8 @@ from lit_fsdp.commands.tune.memory import GIB, ModelShape, compute_dtype, estima
 from lit_fsdp.commands.tune.space import Candidate
 from lit_fsdp.diloco import exchange_bytes, outer_state_bytes
 from offload.host_memory import (FLAG_ELEMENTS, RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, piece_capacity, pieces,
-                                  with_runtime)
+                                  speculated_units, with_runtime)
 from offload.step_time import ForwardOrder, slide_step_time
-from offload.update_split import speculated_units
 
 
 class _ConfigOnly(LitFsdpCLI):
