@@ -148,11 +148,11 @@ def test_estimate_and_the_tuner_count_an_8b_lora_on_one_h100_as_its_base_in_bflo
     shape = ModelShape.of(build_config("llama-8b", {"vocab_size": 128256}), lora={"rank": 16, "alpha": 32})
     run_shape = RunShape(world_size=1, nodes=1, accelerator="cuda", seq_len=2048, batch_per_process=32, clipping=True,
                          loss_chunk_tokens=1024, optimizer_state_dtype="bfloat16")  # the model's chunked loss
-    candidate = Candidate(strategy="slide_fsdp", micro_batch=32, param_dtype="bfloat16", activation_checkpointing=1,
-                          update="delayed")
+    candidate = Candidate(strategy="slide_fsdp", micro_batch=32, param_dtype="bfloat16", activation_checkpointing=1)
     assert MemoryFilter(shape, run_shape, H100, margin=0.1).rejection(candidate) is None
     tuned = estimate(candidate, shape, run_shape).host_per_node
-    assert tuned == pytest.approx(lora["host_bytes"] - host["runtime"], rel=1e-2)
+    # the split's backup of the adapters' rows is not the filter's: it takes only the room left
+    assert tuned == pytest.approx(lora["host_bytes"] - host["runtime"] - host["speculation_backup"], rel=1e-2)
 
 
 def test_lora_is_admitted_on_slide_fsdp_and_refused_in_one_line_on_ddp_and_with_a_float16_base():
