@@ -181,3 +181,58 @@ def test_the_split_speculates_the_first_arriving_units_and_counts_their_backup_a
     assert host_buffers(units, setup)["speculation_backup"] == backup
     assert choose_split(len(units) - 1, lambda k: k <= 1) == 1 and choose_split(4, lambda k: False) is None
     assert choose_split(4, lambda k: True, step_s=lambda k: 10.0 - min(k, 2)) == 2  # no faster past 2: the fewest
+
+
+@pytest.mark.parametrize(("on_nonfinite", "clipping"), [("skip_step", False), ("stop", True)])  # stop alone: on arrival
+def test_a_split_step_with_an_infinite_gradient_is_undone_to_the_last_bit_and_the_next_step_goes_on(on_nonfinite,
+                                                                                                    clipping):
+    """The guard with a split (one process's pipeline, copies emulated as asynchronous): an infinity in the root's
+    speculated head piece made NaNs of the rows updated on arrival; the non-finite norm undoes them at once, the
+    guard's ``drop_gradients`` leaves nothing to update after the norm, and master, moments, step counts and staging
+    rows are as before the step, bit for bit; the next step is the one a pipeline that never saw the bad step takes."""
+    from offload.host_memory import UnitSize, speculated_units
+    from offload.schedule import UpdateSchedule
+    from tests.test_offload_speculative import PIECES_PER_STEP, backward, pipeline_of, random_gradients, snapshot
+
+    schedule = UpdateSchedule.of("split", clipping, 1, on_nonfinite)
+    assert schedule.split and schedule.behind_forward and schedule.norms_on_arrival and not schedule.check_units_finite
+    pipelines = []
+    for _ in range(2):
+        pipeline, params = pipeline_of(schedule, slots=PIECES_PER_STEP)
+        sizes = [UnitSize(layout.full_numel, layout.shard_numel, tuple(p.layout.shard_numel for p in parts) if unit else (),
+                          leading_parts=1 if unit else 0)
+                 for unit, (layout, parts) in enumerate(zip(pipeline.layouts, pipeline.parts))]
+        pipeline.speculated = speculated_units(sizes, 1)  # the root's 2nd and 3rd parameters, and the block
+        pipeline.attach(pipeline.adam)
+        pipelines.append(pipeline)
+    (pipeline, clean) = pipelines
+
+    def step(target, gradients) -> torch.Tensor:
+        backward(target, gradients)
+        norm = target.ordered_norm(None, None, on_nonfinite)
+        if not torch.isfinite(norm):
+            target.discard(undo=True)  # the guard's drop_gradients
+        target.start_ordered()
+        target.adam.wait()
+        return norm
+
+    generator = torch.Generator().manual_seed(2)
+    first, bad, after = (random_gradients(params, generator, 0.01) for _ in range(3))
+    bad[1][2][3, 5] = float("inf")  # the head: speculated, updated on arrival
+    for target in (pipeline, clean):
+        assert torch.isfinite(step(target, first))
+    before = snapshot(pipeline)
+    backward(pipeline, bad)
+    assert not torch.isfinite(pipeline.host.master[1]).all()  # applied speculatively
+    norm = pipeline.ordered_norm(None, None, on_nonfinite)
+    assert not torch.isfinite(norm)
+    pipeline.discard(undo=True)
+    pipeline.start_ordered()
+    pipeline.adam.wait()
+    assert all(torch.equal(got, want) for got, want in zip(snapshot(pipeline), before))
+    assert pipeline.host.incoming._free.qsize() == PIECES_PER_STEP
+    for target in (pipeline, clean):
+        assert torch.isfinite(step(target, after))
+    assert all(torch.equal(got, want) for got, want in zip(snapshot(pipeline), snapshot(clean)))
+    for target in (pipeline, clean):
+        target.adam.close()
