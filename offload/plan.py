@@ -27,6 +27,7 @@ from offload.host_memory import (
     gradient_slots,
     host_buffers,
     master_in_staging,
+    speculated_units,
     with_runtime,
 )
 from offload.layout import build_layouts, leading_root_places, trained_layouts
@@ -173,13 +174,16 @@ class SlidePlan:
 
         return replace(self, split_blocks=choose_split(blocks, fits, step_s))
 
-    def describe_update(self) -> str:
-        """The update as the run takes it, in words (the log, ``estimate``, ``OffloadReport``)."""
+    def describe_update(self, units: Sequence[UnitSize] = ()) -> str:
+        """The update as the run takes it, in words (the log, ``estimate``, ``OffloadReport``); ``units`` tell whether
+        a split speculates the root's head side (not where the root trains nothing: LoRA)."""
         schedule = self.schedule
         if not schedule.defer and not schedule.speculate:
             return "overlapped (on arrival: nothing waits for the norm)"
         if schedule.split and self.split_blocks is not None:
-            return f"split: the root's head side and the last {self.split_blocks} blocks speculated, the rest in forward order"
+            head = not units or len(units) - 1 in speculated_units(units, self.split_blocks)
+            head_side = "the root's head side and " if head else ""
+            return f"split: {head_side}the last {self.split_blocks} blocks speculated, the rest in forward order"
         return {"delayed": "delayed by one step", "forward": "forward order after the norm", "after": "synchronous",
                 "overlapped": "speculative"}[schedule.name]
 

@@ -311,7 +311,7 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
         speculated = gradients.speculated or {}
         self.speculated_share = sum(stop - start for start, stop in speculated.values()) / max(
             1, sum(layout.shard_numel for layout in trained))
-        self.update_taken = plan.describe_update()
+        self.update_taken = plan.describe_update(sizes)
         activations = plan.activations(len(blocks), lambda: placed_costs(module, plan, window, sizes, self.host_memory_gb))
         self.recomputed_blocks = tuple(activations.blocks("recompute"))
         self.activation_plan_taken = activations.describe()

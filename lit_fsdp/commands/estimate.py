@@ -350,7 +350,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
         "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu, "mfu_peak_tflops": mfu_peak,
         "compute_efficiency": hardware.compute_efficiency, "step_model": step_model,
         "activation_plan": None if activation_plan is None else activation_plan.counts(),
-        "update": slide_plan.describe_update() if candidate.strategy == "slide_fsdp" else None,
+        "update": slide_plan.describe_update(units) if candidate.strategy == "slide_fsdp" else None,
         "checkpoint_bytes": checkpoint.total(weights_only=False), "checkpoint_counted": checkpoint.counted,
     }
 
