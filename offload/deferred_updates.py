@@ -35,6 +35,20 @@ def host_update_error(unit: int, error: Exception) -> HostUpdateError:
     return HostUpdateError(f"SlideFSDP: the host side of unit {unit}'s gradients failed ({type(error).__name__}: {cause})")
 
 
+def global_norm(squared: float, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The global gradient norm in float32 from this rank's squared norm, summed in float64 over ``norm_group`` (the
+    node's shards; replicas hold the same rows and are not counted twice)."""
+    total = torch.tensor(squared, dtype=torch.float64)
+    if norm_group is not None:
+        dist.all_reduce(total, group=norm_group)
+    return total.sqrt().to(torch.float32)
+
+
+def clipping_coefficient(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    """What clipping to ``max_norm`` multiplies the gradient by, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 class DeferredUpdates:
     """``GradientPipeline``'s updates after the norm (a mixin: the pipeline holds the host, the optimizer, the held
     pieces ``arriving``, the kept gradients' order, the speculation and the marks)."""
@@ -47,13 +61,10 @@ class DeferredUpdates:
         self.scale = 1.0
         if not self.schedule.norms_on_arrival:
             return None
-        squared = torch.tensor(self.squared_norm, dtype=torch.float64)
+        total = global_norm(self.squared_norm, norm_group)
         self.squared_norm = 0.0
-        if norm_group is not None:
-            dist.all_reduce(squared, group=norm_group)
-        total = squared.sqrt().to(torch.float32)
         if max_norm and bool(torch.isfinite(total)):
-            self.scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            self.scale = float(clipping_coefficient(max_norm, total))
         return total
 
     def start_delayed(self) -> None:
@@ -104,13 +115,10 @@ class DeferredUpdates:
         assert self.host.gradients is not None, "clipping needs kept gradient buffers"
         self.adam.wait()
         order, self.kept_order = self.kept_order, []
-        squared = torch.tensor(sum(squared_norm(self.host.gradients[unit][start:stop]) for unit, start, stop in order),
-                               dtype=torch.float64)
-        if norm_group is not None:
-            dist.all_reduce(squared, group=norm_group)
-        total = squared.sqrt().to(torch.float32)
+        total = global_norm(sum(squared_norm(self.host.gradients[unit][start:stop]) for unit, start, stop in order),
+                            norm_group)
         if max_norm:
-            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            coefficient = clipping_coefficient(max_norm, total)
             for unit in self.kept_units():
                 self.host.gradients[unit].mul_(coefficient)
         return total

@@ -298,7 +298,8 @@ class GradientPipeline(DeferredUpdates):
                 self.finite[unit] = True
             if self.received[unit] < self.pieces_per_unit[unit]:  # the first micro-batch's pieces come first
                 kept.copy_(shard)
-                self.kept_order.append((unit, start, stop))
+                if self.schedule.ordered:  # its norm is taken piece by piece after the backward (``clip_kept``)
+                    self.kept_order.append((unit, start, stop))
             else:
                 kept.add_(shard)
             self.finite[unit] &= finite is not False

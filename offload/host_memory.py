@@ -95,7 +95,7 @@ class HostSetup:
 def master_in_staging(units: Sequence[UnitSize], setup: HostSetup) -> bool:
     """Whether the master rows are the staging copy's rows (no copy of their own): a bfloat16 master where the device
     computes in bfloat16, every parameter trained (so the master's layout is the staging copy's), each rank's rows
-    contiguous in it (``param_transfer: shard``, or one process), and no ``delayed_update``, whose updates run while the
+    contiguous in it (``param_transfer: shard``, or one process), and no ``update: delayed``, whose updates run while the
     device may still load the unit's rows of the step before (its staging rows are rewritten after that last load)."""
     return (setup.master_dtype == setup.compute_dtype == torch.bfloat16 and not setup.holds_step
             and (not setup.full_staging or setup.processes == 1) and not any(unit.frozen_full_numel for unit in units))
@@ -129,21 +129,20 @@ def pieces_per_step(units: Sequence[UnitSize], capacity: int) -> int:
 
 
 class GradientSlotsError(ValueError):
-    """``gradient_slots`` below what the run needs (``delayed_update`` holds a whole step's gradients)."""
+    """``gradient_slots`` below what the run needs (``update: delayed`` holds a whole step's gradients)."""
 
 
 def gradient_slots(units: Sequence[UnitSize], setup: HostSetup) -> int:
     """Gradient buffers per rank: ``setup.gradient_slots`` if set (checked), else chosen:
 
-    - with a kept fp32 gradient per unit (accumulation; clipping or skip_step without ``delayed_update``) a piece is
-      added to it on arrival and its buffer freed at once: ``max(2, window)``;
+    - with a kept fp32 gradient per unit (accumulation on the host) a piece is added to it on arrival and its buffer freed at once: ``max(2, window)``;
     - else one per piece of a backward, so that the device's backward never waits for a CPU update to free one
       (the updates may run behind the backward);
-    - ``delayed_update`` holds each piece until the next step's update of it: a backward's pieces, and ``max(2,
+    - ``update: delayed`` holds each piece until the next step's update of it: a backward's pieces, and ``max(2,
       window)`` more for the next backward's first pieces while the first updates run. Fewer than a backward's
       pieces and one would wait forever, and are refused;
-    - a speculative update with no fp32 copy holds each piece until the optimizer step validates the step: fewer
-      than a backward's pieces would wait forever, and are refused.
+    - a speculative update, or one ordered after the norm, with no fp32 copy holds each piece until the norm is known:
+      fewer than a backward's pieces would wait forever, and are refused.
     """
     if setup.incoming_full:  # whole gradients: one piece per unit that trains
         per_step = sum(1 for unit in units if unit.part_sizes())

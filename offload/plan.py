@@ -32,7 +32,7 @@ from offload.host_memory import (
 )
 from offload.layout import build_layouts, leading_root_places, trained_layouts
 from offload.activation_plan import ActivationPlan, ActivationPlanSpec, BlockCosts, block_activation_bytes, choose
-from offload.schedule import UPDATES, UpdateSchedule
+from offload.schedule import EXACT_UPDATES, UPDATES, UpdateSchedule
 from offload.update_split import choose_split
 
 
@@ -55,7 +55,7 @@ def check_knob_values(*, cpu_threads: int | None, host_memory_gb: float | None, 
         raise ValueError(f"SlideFSDP delayed_update_warmup={delayed_update_warmup} must be >= 0 optimizer steps")
     if update not in ("auto", *UPDATES):
         raise ValueError(f"SlideFSDP update={update!r}: set it to auto (the fastest exact schedule that fits), "
-                         f"{', '.join(UPDATES[:-1])} or delayed (docs/offload.md#the-update)")
+                         f"{', '.join(EXACT_UPDATES)} or delayed (docs/offload.md#the-update)")
     if speculated_blocks is not None and (speculated_blocks < 0 or update not in ("auto", "split")):
         raise ValueError(f"SlideFSDP speculated_blocks={speculated_blocks}: the blocks update: split (or auto) "
                          "speculates, >= 0; or null to have the host's room choose")
@@ -143,10 +143,6 @@ class SlidePlan:
     speculated_blocks: int | None = None  # ``split``'s blocks; None: chosen (``split``)
     split_blocks: int | None = None  # the split taken (``split``): None until chosen, or where nothing is speculated
 
-    @property
-    def delayed_update(self) -> bool:
-        return self.update == "delayed"
-
     @cached_property
     def schedule(self) -> UpdateSchedule:
         """``auto`` is ``split``: by the step-time model, speculating the first-arriving units never slows the ordered
@@ -220,7 +216,7 @@ class SlidePlan:
                 "SlideFSDP param_transfer: shard all-gathers each block across the devices of a node, but there is "
                 "one process per node; use param_transfer: full or more --trainer.devices"
             )
-        if self.delayed_update and run.accumulation > 1 and self.accumulate_on == "host":
+        if self.update == "delayed" and run.accumulation > 1 and self.accumulate_on == "host":
             raise ValueError(
                 f"SlideFSDP update: delayed with accumulate_on: host would rewrite a unit's staging rows after the "
                 f"first of a step's {run.accumulation} micro-batches, so the others would compute with newer weights; "
@@ -267,7 +263,7 @@ class SlidePlan:
         return HostSetup.of_knobs(self.compute_dtype, self.reduce_dtype, self.optimizer_state_dtype,
                                   self.run.processes_per_node, self.param_transfer, self.grad_sync, self.window,
                                   self.schedule.keep_gradients, activation_bytes, self.gradient_slots,
-                                  self.delayed_update, self.schedule.speculate, self.master_dtype,
+                                  self.schedule.delay, self.schedule.speculate, self.master_dtype,
                                   self.schedule.ordered, self.split_blocks if self.schedule.split else None)
 
     def master_in_staging(self, units: Sequence[UnitSize]) -> bool:

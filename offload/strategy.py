@@ -198,11 +198,6 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
             accumulate_on=self.accumulate_on, speculated_blocks=self.speculated_blocks,
         )
 
-    @property
-    def delayed_update(self) -> bool:
-        """``update: delayed`` (stale by one step)."""
-        return self.update == "delayed"
-
     def model_units(self, module: pl.LightningModule, datamodule: Any, shards: int) -> list[UnitSize]:
         """Every unit's size with ``shards`` ranks per node, from the model on the meta device (``offload.plan``)."""
         return model_units(module, datamodule, shards, self.block_class, self.grad_sync == "gpu_reduce")
@@ -339,7 +334,7 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
 
     def unsteady_steps(self) -> int:
         """The delayed update's synchronous warm-up (``delayed_update_warmup``)."""
-        return self.delayed_update_warmup if self.delayed_update else 0
+        return self.delayed_update_warmup if self.update == "delayed" else 0
 
     def refresh_staging(self) -> None:
         """Rewrite every staging copy from the master rows (after init or a checkpoint load)."""
@@ -397,7 +392,7 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
         if not self.engine.schedule.defer:
             self.adam.wait()
             return None
-        if self.delayed_update:
+        if self.engine.schedule.delay:
             return self.engine.gradients.delayed_norm(max_norm, group)
         return self.engine.gradients.ordered_norm(max_norm, group, self.on_nonfinite)
 
@@ -428,7 +423,7 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
         if self.engine.schedule.behind_forward:
             self.adam.wait()
             return
-        if not self.delayed_update:
+        if not self.engine.schedule.delay:
             return
         self.engine.gradients.apply_delayed()
         if not self.engine.gradients.accumulated:  # mid-step the rows are kept (apply_delayed), the root as loaded

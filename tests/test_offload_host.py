@@ -340,7 +340,8 @@ def test_a_checkpoint_of_float32_moments_resumes_with_bfloat16_moments_rounded_t
 def _pipeline(capacity: int, keep: bool, seed: int = 0, slots: int = 2, delay: bool = False):
     """One process's gradient pipeline over a block and a root (3 parameters), its ring buffers holding ``capacity``
     gradient elements (as if its largest block had that many), copies emulated as asynchronous; the master rows start
-    from ``seed``; ``delay``: its updates delayed to the next step, the norm summed as the pieces arrive."""
+    from ``seed``; ``delay``: its updates delayed to the next step, the norm summed as the pieces arrive; ``keep``: a
+    kept float32 gradient per unit, its norm taken after the backward (``clip_kept``, an ordered schedule's)."""
     from offload.host_memory import FLAG_ELEMENTS
     from compress.layout import UnitLayout
     from offload.gradients import GradientPipeline
@@ -366,7 +367,7 @@ def _pipeline(capacity: int, keep: bool, seed: int = 0, slots: int = 2, delay: b
                                 gpu_reduce=True, reduce_dtype=torch.bfloat16, world_size=1, shard_rank=0, shard_group=None,
                                 replicate_group=None, host_group=None,
                                 schedule=UpdateSchedule(delay=delay, defer=delay, norms_on_arrival=delay,
-                                                        check_units_finite=True))
+                                                        check_units_finite=True, ordered=keep))
     return pipeline, params
 
 

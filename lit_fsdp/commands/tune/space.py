@@ -21,6 +21,7 @@ from compress.config import METHODS, CompressionConfig
 from lit_fsdp.diloco import OuterConfig
 from lit_fsdp.lifecycle import DType
 from lit_fsdp.strategy import Sharding
+from offload.schedule import EXACT_UPDATES
 from offload.strategy import SlideFSDPStrategy
 
 _SLIDE_TYPES = get_type_hints(SlideFSDPStrategy.__init__)
@@ -207,7 +208,7 @@ class SearchSpace:
     """SlideFSDP gradient reduction"""
     activation_offload: list[ActivationOffload] = field(default_factory=lambda: _all(ActivationOffload))
     """SlideFSDP activation offload"""
-    update: list[Update] = field(default_factory=lambda: ["auto", "synchronous", "forward", "split", "speculative"])
+    update: list[Update] = field(default_factory=lambda: ["auto", *EXACT_UPDATES])
     """SlideFSDP's update schedules (exact; add delayed, a step's update run during the next, to search the stale one)"""
     activation_plan: list[Literal["auto"] | None] = field(default_factory=lambda: [None, "auto"])
     """SlideFSDP's activation plan: null (activation_checkpointing decides) or auto (keep, host or recompute per block)"""
