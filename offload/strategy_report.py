@@ -45,14 +45,11 @@ class SlideReport:
         """This rank's host buffers in all (``host_buffer_bytes``)."""
         return sum(self.host_buffer_bytes().values())
 
-    def host_buffer_estimate(self, trainer: Any, module: pl.LightningModule, datamodule: Any = None,
-                             compute: torch.dtype | None = None, units: list[UnitSize] | None = None,
-                             host_bytes: int | None = None) -> dict[str, int]:
-        """The node's host bytes per buffer for this run; offloaded activations need ``datamodule`` (its batch size
-        and sequence length); ``units`` are ``model_units``' when the caller has them already; ``host_bytes``: the
-        node's memory a split is chosen within (default: this host's budget)."""
-        units = units or self.model_units(module, datamodule, trainer.num_devices)
-        plan = self.split_plan(trainer, module, datamodule, units, compute, host_bytes)
+    def host_buffer_estimate(self, trainer: Any, module: pl.LightningModule, datamodule: Any = None) -> dict[str, int]:
+        """The node's host bytes per buffer for this run, its split as taken (``split_plan``); offloaded activations
+        need ``datamodule`` (its batch size and sequence length)."""
+        units = self.model_units(module, datamodule, trainer.num_devices)
+        plan = self.split_plan(trainer, module, datamodule, units)
         return plan.host_buffers(units, plan.activation_bytes(units, module, datamodule))
 
     def split_plan(self, trainer: Any, module: pl.LightningModule, datamodule: Any, units: list[UnitSize],

@@ -261,9 +261,8 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     recompute, activation_plan = candidate.activation_checkpointing, None
     if candidate.strategy == "slide_fsdp":
         units = strategy.model_units(module, data, trainer.num_devices)
-        host_bytes = int(hardware.host_memory_gb * GIB)
-        host = strategy.host_buffer_estimate(trainer, module, data, compute=compute, units=units, host_bytes=host_bytes)
-        slide_plan = strategy.split_plan(trainer, module, data, units, compute, host_bytes)
+        slide_plan = strategy.split_plan(trainer, module, data, units, compute, int(hardware.host_memory_gb * GIB))
+        host = slide_plan.host_buffers(units, slide_plan.activation_bytes(units, module, data))
         traffic = slide_traffic(trainer, units, data.batch_size, data.seq_len, config.hidden_size, compute, reduce)
         update_bytes = cpu_update_bytes(trainer, model.trained, compute, reduce, units)
         planned = planned_activations(strategy, trainer, data, config, units, compute, trainer.hardware,
@@ -356,9 +355,9 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
 
 
 def slide_step(trainer: RunTrainer, units: list[UnitSize], model_flops: float, flops: float, rate: float,
-               times: dict[str, float], hardware: Hardware, compute: torch.dtype, plan: Any = None):
+               times: dict[str, float], hardware: Hardware, compute: torch.dtype, plan: Any):
     """SlideFSDP's step as ``offload.step_time`` schedules it, at ``rate`` FLOP/s on the device; ``plan``: the
-    strategy's plan with its split taken (default: the plan, split as the hardware file's host has room for)."""
+    strategy's plan with its split taken within the hardware file's host."""
     forward = model_flops / 3 / rate
     trained = [unit.trained() for unit in units]
     total = sum(unit.shard_numel for unit in trained) or 1
@@ -366,7 +365,6 @@ def slide_step(trainer: RunTrainer, units: list[UnitSize], model_flops: float, f
     # the last gradients of a backward: the first block's and the root's last part (the embeddings)
     last = trained[0].shard_numel + (max(root.part_sizes()) if root.part_sizes() else 0)
     refresh = last * trainer.num_devices * (4 + compute.itemsize) / (hardware.host_memory_gbps * 1e9)
-    plan = plan or trainer.strategy.plan(trainer, compute).split(units, int(hardware.host_memory_gb * GIB))
     schedule = plan.schedule
     update = times["cpu_update_s"]
     order = None
