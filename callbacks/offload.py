@@ -118,6 +118,7 @@ class OffloadStats(pl.Callback):
         record["offload_update_threads"] = offload.update_threads_reason  # how many, and why
         record["offload_activation_plan"] = offload.activation_plan_taken  # what activation_plan auto chose
         record["offload_update"] = offload.update_taken  # what update: auto chose
+        record["offload_update_reason"] = offload.update_reason  # and why (its step model with the run's rates)
         record["offload_speculated_share"] = offload.speculated_share
         record.update(self._host_state())
         return record

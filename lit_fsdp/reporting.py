@@ -30,6 +30,8 @@ class OffloadReport(Protocol):
     activation_plan_taken: str
     #: The update schedule taken, in words (``split: the root's head side and the last 12 blocks speculated, ...``).
     update_taken: str
+    #: Why: ``update: auto``'s last choice by the step model with the run's rates, in words ("" before one).
+    update_reason: str
     #: Of this rank's trained rows, the share a split speculates (0 without one).
     speculated_share: float
 

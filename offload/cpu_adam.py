@@ -174,6 +174,8 @@ class CpuAdam:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slide-fsdp-adam",
                                           initializer=torch.cuda.set_device if cuda else None, initargs=(device,) if cuda else ())
         self._pending: list[Future] = []
+        self.failures: list[str] = []  # the first line of each failed task's error, in the order they were seen
+        self._noted: set[int] = set()  # id() of the failed tasks' futures in ``failures``
         self.emulated_delay_s = float(os.environ.get(EMULATED_UPDATE_DELAY_VARIABLE) or 0) / 1000
         self.update_intervals: list[tuple[float, float]] = []  # (start, end) perf_counter of each update
         self.wait_intervals: list[tuple[float, float]] = []  # (start, end) of the caller's waits for running updates
@@ -266,7 +268,16 @@ class CpuAdam:
         """Run ``task`` on the worker thread after the tasks submitted before it; its future."""
         future = self._worker.submit(task)
         self._pending.append(future)
+        future.add_done_callback(self._note_failure)
         return future
+
+    def _note_failure(self, future: Future) -> None:
+        # kept for ``mixed_steps`` after ``wait`` has raised the error and forgotten the future; called by the worker
+        # once the task is done, and by ``settle``, which may see it done first
+        error = None if future.cancelled() else future.exception()
+        if error is not None and id(future) not in self._noted:
+            self._noted.add(id(future))
+            self.failures.append(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
 
     def failure(self) -> BaseException | None:
         """The error of a submitted task that has failed, without waiting for the others (None: none has)."""
@@ -286,5 +297,54 @@ class CpuAdam:
         if busy:
             self.wait_intervals.append((began, time.perf_counter()))
 
-    def close(self) -> None:
-        self._worker.shutdown(wait=True, cancel_futures=True)
+    def unit_steps(self) -> dict[int, list[int]]:
+        """Each unit that trains: the step counts of its pieces, as many different ones as there are (one, between
+        steps)."""
+        return {unit: sorted({int(optimizer.state[piece]["step"]) for piece in pieces})
+                for unit, (optimizer, pieces) in enumerate(zip(self.optimizers, self.pieces)) if optimizer is not None}
+
+    def mixed_steps(self) -> str | None:
+        """Once the worker is idle: None where every unit's rows are at one step and no update failed; else what is
+        where, in words ("units 0-1, 4 at step 3; units 2-3 at step 2; ..."), for a refusal to save them."""
+        by_step: dict[str, list[int]] = {}
+        for unit, steps in self.unit_steps().items():
+            by_step.setdefault(" and ".join(map(str, steps)), []).append(unit)
+        if len(by_step) <= 1 and not self.failures:
+            return None
+        where = "; ".join(f"unit{'s' if len(units) > 1 else ''} {_spans(units)} at step {steps}"
+                          for steps, units in sorted(by_step.items(), key=lambda item: item[1]))
+        failed = f"; an update failed ({self.failures[0]})" if self.failures else ""
+        return where + failed
+
+    def settle(self) -> str | None:
+        """Wait for every submitted task, as ``wait`` does but without raising their errors (``failures`` keeps them);
+        ``mixed_steps``."""
+        pending, self._pending = self._pending, []
+        began, busy = time.perf_counter(), any(not future.done() for future in pending)
+        for future in pending:
+            try:
+                future.result()
+            except Exception:  # noted below; a cancelled one has nothing to note
+                pass
+            self._note_failure(future)
+        if busy:
+            self.wait_intervals.append((began, time.perf_counter()))
+        return self.mixed_steps()
+
+    def close(self) -> str | None:
+        """Stop the worker once every task submitted has run: an update queued when a step was interrupted (the
+        ordered updates behind the next forward, the delayed ones) has its gradient and runs, so that the units do not
+        stay at two steps. ``mixed_steps`` after it."""
+        self._worker.shutdown(wait=True)
+        return self.settle()
+
+
+def _spans(units: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as "0-2, 5"."""
+    runs: list[list[int]] = []
+    for unit in units:
+        if runs and unit == runs[-1][-1] + 1:
+            runs[-1].append(unit)
+        else:
+            runs.append([unit])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)

@@ -56,7 +56,9 @@ class DeferredUpdates:
     def delayed_norm(self, max_norm: float | None, norm_group: dist.ProcessGroup | None) -> torch.Tensor | None:
         """This step's global gradient norm from the pieces' squared norms (None if not summed: no clipping and
         ``on_nonfinite: warn``), and the clipping coefficient its delayed (or redone speculative) updates take if
-        ``max_norm``."""
+        ``max_norm``. A device sum the step's last backward did not send is sent first: its squared norm is this
+        step's."""
+        self.send_leftover_sums()
         self.adam.wait()
         self.scale = 1.0
         if not self.schedule.norms_on_arrival:
@@ -154,7 +156,7 @@ class DeferredUpdates:
             self.ready[unit] = self.adam.submit(partial(self._ordered_update, unit, held[unit], unit in kept, scale,
                                                         redo and speculated, settings))
         if self.speculation is not None:
-            self.adam.submit(lambda: self.rollbacks.append(self.speculation.end_step()))
+            self.adam.submit(self._record_rollback)
 
     def _ordered_update(self, unit: int, held: list[tuple[int, int, torch.Tensor, torch.Tensor]], kept: bool,
                         scale: float, redo: bool, settings: list[dict]) -> None:
@@ -178,9 +180,24 @@ class DeferredUpdates:
                 self.host.incoming.release(buffer)
         self._mark(unit)
 
+    def _record_rollback(self) -> None:
+        """Worker thread, after the step's ordered updates: whether they rolled back and what it took, for
+        ``take_rollback``, which the main thread may be running now (under the lock: an append to the list it is
+        swapping out would be lost)."""
+        taken = self.speculation.end_step()
+        with self.rollbacks_lock:
+            self.rollbacks.append(taken)
+
     def _mark(self, unit: int) -> None:
         if self.marks is not None:
             self.marks.mark(unit, self.epoch)
+
+    def update_pending(self, unit: int) -> bool:
+        """Whether a load of ``unit`` would wait in ``await_update`` now (its ordered update, or another local rank's,
+        still running); never waits."""
+        future = self.ready.get(unit)
+        return (future is not None and not future.done()) or (
+            self.marks is not None and not self.marks.reached(unit, self.epoch))
 
     def await_update(self, unit: int) -> None:
         """Before a load of ``unit``: wait for its ordered update (and every local rank's, with a shared staging copy);

@@ -2,7 +2,9 @@
 
 - **forward**: the network's pre-hook makes the root resident and prefetches the first blocks; block
   i's pre-hook makes it resident and prefetches i+1..i+window-1; its post-hook releases it, except
-  the last window-1 blocks of a training forward, which the backward needs first.
+  the last window-1 blocks of a training forward, which the backward needs first. Behind an ordered update, only
+  making a block resident waits for its unit's update: a prefetched unit whose update is still running keeps its slot
+  and is loaded once the update is done (``DeviceWindow.load_deferred``: at the post-hook of a block, or when needed).
 - **backward**: just before block i's backward (``BeforeBackward``, or the checkpointed block's own
   backward) block i is made resident and i-1..i-window+1 prefetched, with their checkpointed inputs.
   When the last gradient of a unit's parameters has accumulated, the unit's gradients are reduced
@@ -120,7 +122,7 @@ class SlideEngine:
         self.accumulating = False  # inside Lightning's block_backward_sync: no update at this backward
         self.schedule = schedule
         if schedule.behind_forward:
-            window.before_load = gradients.await_update
+            window.before_load, window.update_pending = gradients.await_update, gradients.update_pending
         self.arrived: list[list[int]] = []  # gradients accumulated per unit and gradient part in the current backward
         self.sent = [0] * len(layouts)  # gradient parts sent per unit in the current backward
         self.last_step: OffloadStep | None = None  # the figures of the last optimizer step
@@ -173,6 +175,7 @@ class SlideEngine:
     def after_forward(self, block: int, output: Any) -> Any:
         if self.phase == BACKWARD:
             return output
+        self.window.load_deferred()  # the prefetches whose updates have finished since, behind this block's work
         training = self.phase == FORWARD
         if training and block not in self.checkpointed:
             self.window.remember_slot(block)
@@ -253,7 +256,7 @@ class SlideEngine:
         """Wait for every CPU update of this step that ran on arrival; queue the ones that waited for the norm (in
         forward order, waited for only by ``synchronous``), or, delayed, this step's for the next (``warming_up``:
         applied before the next step); and account for it."""
-        self.gradients.send_leftover_sums(update_now=not self.schedule.defer)
+        self.gradients.send_leftover_sums()  # none left where the norm or the guard took the step's gradients first
         waited = min([time.perf_counter(), *(start for start, _ in adam.wait_intervals)])  # the host's step ended
         adam.wait()  # the gradients of this step have all arrived (and were applied, without clipping or delay)
         if self.schedule.ordered:  # queued in forward order, now that the norm is known

@@ -46,6 +46,7 @@ the check costs a reduction at device bandwidth, and no host sync); with ``cpu_r
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
@@ -153,6 +154,7 @@ class GradientPipeline(DeferredUpdates):
         self.ready: dict[int, Future] = {}  # unit: its ordered update, until a load has waited for it
         self.forward_waits: list[tuple[float, float]] = []  # (start, end) of the loads' waits for ordered updates
         self.rollbacks: list[tuple[bool, float]] = []  # a split's rollbacks, as its ordered updates finish
+        self.rollbacks_lock = threading.Lock()  # the worker adds to ``rollbacks`` while the step takes them
         self.kept_order: list[tuple[int, int, int]] = []  # the kept pieces (unit, rows) in the order they arrived
         self.attach(adam)
 
@@ -171,6 +173,14 @@ class GradientPipeline(DeferredUpdates):
         self.adam = adam
         speculates = self.schedule.speculate or self.speculated is not None
         self.speculation = SpeculativeBackup(adam, self.host, self.speculated) if adam is not None and speculates else None
+
+    def speculate(self, rows: dict[int, tuple[int, int]]) -> None:
+        """Speculate ``rows`` (``offload.host_memory.speculated_units``; empty: nothing, ``forward``) from the next
+        backward on, with a backup of theirs alone: ``update: auto``'s choice at run time (``offload.auto_update``).
+        Between steps, with no update of the step before outstanding."""
+        self.speculated = rows
+        if self.speculation is not None:
+            self.speculation.retarget(rows)
 
     def reduce_and_offload(self, unit: int, part: int, gradients: list[torch.Tensor | None], update_now: bool,
                            last: bool = True) -> None:
@@ -234,9 +244,14 @@ class GradientPipeline(DeferredUpdates):
             kept.add_(values)
         return False
 
-    def send_leftover_sums(self, update_now: bool) -> None:
-        """At the optimizer step: send the device's sums that no last micro-batch sent (a part the step's last backward
-        did not reach, or a last micro-batch with no backward), as that micro-batch would have (with zeros of its own)."""
+    def send_leftover_sums(self, update_now: bool | None = None) -> None:
+        """At the optimizer step, before its norm and its guard read the step's gradients (``delayed_norm``,
+        ``take_nonfinite``): send the device's sums that no last micro-batch sent (a part the step's last backward did
+        not reach, or a last micro-batch with no backward), as that micro-batch would have (with zeros of its own), so
+        that their squared norms and verdicts count in this step, not the next. ``update_now``: default, unless the
+        schedule defers the updates."""
+        if update_now is None:
+            update_now = not self.schedule.defer
         for unit, part in sorted(self.accumulated):
             self.reduce_and_offload(unit, part, [None] * len(self.parts[unit][part].places), update_now, last=True)
 
@@ -341,7 +356,9 @@ class GradientPipeline(DeferredUpdates):
         self.adam.update_rows(unit, gradient, start, stop, self.host.staging_targets(unit), hyperparameters=settings)
 
     def take_nonfinite(self) -> int:
-        """Units whose update was withheld for non-finite gradients since the last call (after the worker is idle)."""
+        """Units whose update was withheld for non-finite gradients since the last call (after the worker is idle),
+        the device's leftover sums checked too."""
+        self.send_leftover_sums()
         self.adam.wait()
         withheld, self.nonfinite_units = self.nonfinite_units, set()
         return len(withheld)
@@ -386,7 +403,8 @@ class GradientPipeline(DeferredUpdates):
         if self.speculation is None:
             return False, 0.0
         if self.schedule.ordered:
-            done, self.rollbacks = self.rollbacks, []
+            with self.rollbacks_lock:
+                done, self.rollbacks = self.rollbacks, []
             return any(rolled for rolled, _ in done), sum(seconds for _, seconds in done)
         return self.speculation.end_step()
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
 from compress.layout import ParamPlace, UnitLayout
+from lit_fsdp.errors import PeerLostError
 from offload.host_memory import FLAG_ELEMENTS, UnitSize, piece_capacity
 from offload.transfers import Event, Transfers
 
@@ -177,38 +178,108 @@ class SharedMarks:
     """Per local rank and unit, the last ordered update (its epoch) whose rows that rank has written to the node's
     shared staging copy: a load of a unit waits until every local rank has reached the step's epoch for it. Each
     cell has one writer; the update's stores precede its mark's (the worker releases and takes the GIL between them,
-    a full memory barrier)."""
+    a full memory barrier).
 
-    POLL_S = 0.0002
+    Each rank's row ends with its pid and a flag it sets when it leaves the step on an error (``abandon``): a wait for
+    a rank that failed or exited (a zombie its parent has not reaped yet counts: the parent may be the rank waiting)
+    ends within ``LOOK_S`` with one line naming it, instead of at ``timeout_s``.
+    """
 
-    def __init__(self, units: int, local_rank: int, local_ranks: int, node_tag: str, group: dist.ProcessGroup,
-                 timeout_s: float = 1800.0):
-        marks = map_node_file(f"lit_fsdp_slide_marks_{node_tag}", local_ranks * units, torch.int64, local_rank, group)
-        self.marks = marks.view(local_ranks, units)
+    PID, ABANDONED = 0, 1  # the cells after a rank's marks
+    #: The wait's first and longest pause between looks: short at first (an update of a block takes milliseconds, and
+    #: the forward waits on it), then backing off so that a long wait does not take a core from the updates.
+    FIRST_POLL_S, LAST_POLL_S = 0.00005, 0.002
+    LOOK_S = 0.2  # how often a wait asks whether the ranks behind are still there
+
+    def __init__(self, cells: torch.Tensor, local_rank: int, timeout_s: float):
+        """
+        Args:
+            cells: The node's shared int64 cells, one row per local rank: a mark per unit, then the pid and the flag.
+            timeout_s: The longest wait for a rank that is alive and has not failed (the strategy's ``timeout``).
+        """
+        self.cells, self.units = cells, cells.shape[1] - 2
+        self.marks = cells[:, : self.units]
         self.local_rank, self.timeout_s = local_rank, timeout_s
-        self.marks[local_rank].zero_()
+        cells[local_rank].zero_()
+        cells[local_rank, self.units + self.PID] = os.getpid()
+        self.unseen: set[int] = set()  # local ranks whose pid this process cannot see (another pid namespace)
+
+    @classmethod
+    def on_node(cls, units: int, local_rank: int, local_ranks: int, node_tag: str, group: dist.ProcessGroup,
+                timeout_s: float) -> "SharedMarks":
+        """The node's marks, in a file of /dev/shm that its ranks map together (``map_node_file``)."""
+        cells = map_node_file(f"lit_fsdp_slide_marks_{node_tag}", local_ranks * (units + 2), torch.int64, local_rank,
+                              group)
+        marks = cls(cells.view(local_ranks, units + 2), local_rank, timeout_s)
         dist.barrier(group=group)
+        marks.unseen = {rank for rank in range(local_ranks) if process_gone(marks.pid(rank))}
+        return marks
+
+    def pid(self, rank: int) -> int:
+        return int(self.cells[rank, self.units + self.PID])
 
     def mark(self, unit: int, epoch: int) -> None:
         """This rank's rows of ``unit`` are written for ``epoch``."""
         self.marks[self.local_rank, unit] = epoch
 
+    def abandon(self) -> None:
+        """This rank leaves the step on an error: it will mark nothing more, and the other ranks' waits end."""
+        self.cells[self.local_rank, self.units + self.ABANDONED] = 1
+
     def reached(self, unit: int, epoch: int) -> bool:
         return bool((self.marks[:, unit] >= epoch).all())
 
     def wait(self, unit: int, epoch: int, failure: Callable[[], BaseException | None]) -> None:
-        """Until every local rank has marked ``unit`` for ``epoch``; raises this rank's update ``failure`` or, after
-        ``timeout_s``, one line naming the ranks that did not."""
-        deadline = time.monotonic() + self.timeout_s
+        """Until every local rank has marked ``unit`` for ``epoch``; raises this rank's update ``failure``, or one line
+        naming a rank behind that has failed or exited, or, after ``timeout_s``, one naming the ranks that did not."""
+        began = time.monotonic()
+        pause, look = self.FIRST_POLL_S, began + self.LOOK_S
         while not self.reached(unit, epoch):
             error = failure()
             if error is not None:
                 raise error
-            if time.monotonic() > deadline:
-                behind = [rank for rank, epochs in enumerate(self.marks[:, unit].tolist()) if epochs < epoch]
-                raise RuntimeError(f"SlideFSDP: local ranks {behind} did not update unit {unit} for step {epoch} within "
-                                   f"{self.timeout_s:.0f} s; look for an error in their logs")
-            time.sleep(self.POLL_S)
+            now = time.monotonic()
+            if now >= look:
+                self._check_behind(unit, epoch)
+                look = now + self.LOOK_S
+            if now - began > self.timeout_s:
+                raise RuntimeError(f"SlideFSDP: local ranks {self._behind(unit, epoch)} did not update unit {unit} for "
+                                   f"step {epoch} within {self.timeout_s:g} s (the strategy's timeout); look for an "
+                                   "error in their logs")
+            time.sleep(pause)
+            pause = min(2 * pause, self.LAST_POLL_S)
+
+    def _behind(self, unit: int, epoch: int) -> list[int]:
+        return [rank for rank, epochs in enumerate(self.marks[:, unit].tolist()) if epochs < epoch]
+
+    def _check_behind(self, unit: int, epoch: int) -> None:
+        for rank in self._behind(unit, epoch):
+            pid = self.pid(rank)
+            if int(self.cells[rank, self.units + self.ABANDONED]):
+                how = "failed"
+            elif pid and rank not in self.unseen and process_gone(pid):
+                how = "exited"
+            else:
+                continue
+            raise PeerLostError(f"SlideFSDP: local rank {rank} (pid {pid}) {how} before updating unit {unit} for step "
+                                f"{epoch}; its log says why")
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended: no such process here, or a zombie its parent has not reaped yet."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it exists, under another user
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: the signal's answer stands
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"])
 
 
 class BufferRing:

@@ -37,6 +37,7 @@ from offload.update_split import choose_split
 
 
 def check_knob_values(*, cpu_threads: int | None, host_memory_gb: float | None, optimizer_state_dtype: str,
+                      host_reserve_gb: float | None = None,
                       master_dtype: str, cpu_binding: str, control_cores: int, delayed_update_warmup: int,
                       update: str, speculated_blocks: int | None, accumulate_on: str) -> None:
     """Refuse, when the strategy is built, a knob's value that no run could take (one line naming it and the fix)."""
@@ -44,6 +45,8 @@ def check_knob_values(*, cpu_threads: int | None, host_memory_gb: float | None, 
         raise ValueError(f"cpu_threads={cpu_threads} must be >= 1, or null for usable cores / processes per node, less one")
     if host_memory_gb is not None and not host_memory_gb > 0:
         raise ValueError(f"SlideFSDP host_memory_gb={host_memory_gb} must be > 0, or null for MemAvailable")
+    if host_reserve_gb is not None and not host_reserve_gb >= 0:
+        raise ValueError(f"SlideFSDP host_reserve_gb={host_reserve_gb} must be >= 0 GiB, or null for 1/16 of the host")
     for knob, value in (("optimizer_state_dtype", optimizer_state_dtype), ("master_dtype", master_dtype)):
         if value not in ("float32", "bfloat16"):
             raise ValueError(f"SlideFSDP {knob}={value!r}: set it to float32 or bfloat16")
@@ -151,10 +154,11 @@ class SlidePlan:
         return UpdateSchedule.of(update, self.run.clipping, self.run.accumulation, self.on_nonfinite, self.accumulate_on)
 
     def split(self, units: Sequence[UnitSize], available: int | None, activation_bytes: int = 0,
-              step_s: Callable[[int], float] | None = None) -> "SlidePlan":
+              step_s: Callable[[int | None], float] | None = None) -> "SlidePlan":
         """This plan with its split taken (``offload.update_split``): ``speculated_blocks`` where set, else the most
         blocks whose backup fits ``available`` host bytes per node beside everything else (unknown: none), or, with
-        the step-time model ``step_s``, the fastest of those. Not a split: this plan."""
+        the step-time model ``step_s`` (of the blocks speculated; None: ``forward``), the fastest of those and
+        ``forward``. Not a split: this plan."""
         if not self.schedule.split:
             return self
         blocks = len(units) - 1
@@ -178,8 +182,9 @@ class SlidePlan:
             return "overlapped (on arrival: nothing waits for the norm)"
         if schedule.split and self.split_blocks is not None:
             head = not units or len(units) - 1 in speculated_units(units, self.split_blocks)
-            head_side = "the root's head side and " if head else ""
-            return f"split: {head_side}the last {self.split_blocks} blocks speculated, the rest in forward order"
+            speculated = [*(["the root's head side"] if head else []),
+                          *([f"the last {self.split_blocks} blocks"] if self.split_blocks else [])]
+            return f"split: {' and '.join(speculated) or 'nothing'} speculated, the rest in forward order"
         return {"delayed": "delayed by one step", "forward": "forward order after the norm", "after": "synchronous",
                 "overlapped": "speculative"}[schedule.name]
 
@@ -342,10 +347,10 @@ def placed_host_buffers(host: Any) -> tuple[str, ...]:
 
 
 def placed_costs(module: Any, plan: SlidePlan, window: Any, units: Sequence[UnitSize],
-                 host_memory_gb: float | None) -> BlockCosts:
+                 host_memory_gb: float | None, host_reserve_gb: float | None = None) -> BlockCosts:
     """``activation_plan: auto``'s costs, once the window, the root and the micro-batches' gradient sums are on the
-    device: its free memory less the loss's, the host's less SlideFSDP's buffers not yet in it (``host_memory_gb``: all
-    of them), the link's rate timed on a block's weights, a block's forward from its FLOPs at ``COMPUTE_EFFICIENCY`` of
+    device: its free memory less the loss's, the host's (less its reserve) less SlideFSDP's buffers not yet in it
+    (``host_memory_gb``: all of them), the link's rate timed on a block's weights, a block's forward from its FLOPs at ``COMPUTE_EFFICIENCY`` of
     the device's peak (on a CPU: nominal rates, for tests)."""
     from lit_fsdp.device_peaks import peak_tflops
     from lit_fsdp.loss import loss_bytes
@@ -363,7 +368,7 @@ def placed_costs(module: Any, plan: SlidePlan, window: Any, units: Sequence[Unit
         peak = (peak_tflops(torch.cuda.get_device_name(device), plan.compute_dtype) or 100.0) * 1e12
     else:
         free, rate, peak = (available_host_bytes() or 0) // 4, 10e9, 2e11
-    host, _ = host_memory_budget(host_memory_gb)
+    host, _ = host_memory_budget(host_memory_gb, host_reserve_gb)
     to_come = with_runtime(plan.host_buffers(units), plan.run.processes_per_node)
     if host_memory_gb is None:  # MemAvailable, read now, already lacks what is placed and written: not counted twice
         for name in placed_host_buffers(window.host):

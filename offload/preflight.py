@@ -10,21 +10,10 @@ from pathlib import Path
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_fsdp.meminfo import available_host_bytes
 from offload.cpu_binding import SYSFS, CpuBinding, bind_process, pci_address, physical_cores, plan_binding
 
 _GIB = 2**30
-
-
-def available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo; None where there is no such file."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
 
 
 def core_limits() -> tuple[int, float | None]:
@@ -58,13 +47,32 @@ def describe_cores(sysfs: Path = SYSFS) -> str:
             + ("no cgroup CPU quota" if quota is None else f"a cgroup quota of {quota:g} CPUs"))
 
 
-def host_memory_budget(host_memory_gb: float | None) -> tuple[int | None, str]:
-    """The bytes per node the preflight may count on, and where that figure comes from: ``host_memory_gb`` if set,
-    else MemAvailable now (None where the host does not say)."""
+#: The share of the host's memory SlideFSDP leaves free by default (``host_reserve_gb``): a checkpoint's page cache, a
+#: data worker, the allocator's growth, what else the node runs. 1/16 is 8 GiB of a 128 GiB host.
+HOST_RESERVE_SHARE = 1 / 16
+
+
+def host_reserve_bytes(host_bytes: int | None, host_reserve_gb: float | None) -> int:
+    """The bytes of ``host_bytes`` (the host's figure: ``host_memory_gb``, MemAvailable or a hardware file's) kept
+    free: ``host_reserve_gb`` if set, else ``HOST_RESERVE_SHARE`` of it."""
+    if host_reserve_gb is not None:
+        return int(host_reserve_gb * _GIB)
+    return int((host_bytes or 0) * HOST_RESERVE_SHARE)
+
+
+def host_memory_budget(host_memory_gb: float | None, host_reserve_gb: float | None = None) -> tuple[int | None, str]:
+    """The bytes per node SlideFSDP's buffers may take, and where that figure comes from: ``host_memory_gb`` if set,
+    else MemAvailable now (None where the host does not say), less the reserve (``host_reserve_bytes``)."""
     if host_memory_gb is not None:
-        return int(host_memory_gb * _GIB), "allowed by host_memory_gb"
-    return available_host_bytes(), ("available (MemAvailable; set host_memory_gb on a VM that grows its memory on "
-                                    "demand)")
+        host, source = int(host_memory_gb * _GIB), f"allowed by host_memory_gb ({host_memory_gb:g} GiB"
+    else:
+        host = available_host_bytes()
+        if host is None:
+            return None, "unknown (no MemAvailable; set host_memory_gb)"
+        source = (f"available (MemAvailable {host / _GIB:.1f} GiB; set host_memory_gb on a VM that grows its memory "
+                  "on demand")
+    reserve = host_reserve_bytes(host, host_reserve_gb)
+    return host - reserve, f"{source}, less a reserve of {reserve / _GIB:.1f} GiB: host_reserve_gb)"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,13 @@ The root (embeddings, final norm, head) is used at both ends of the step and sta
 its own; it is reloaded after each optimizer step changed it.
 
 Every load first calls ``before_load`` with its unit: an ordered update (``offload.schedule``) waits there for that
-unit's update after the norm, so the forward loads a unit as soon as its own update is done.
+unit's update after the norm, so the forward loads a unit as soon as its own update is done. A prefetch never waits
+for an update: a unit whose update is still running (``update_pending``) takes its slot at once, as it would have,
+and is loaded later (``load_deferred``, after the current block's work is queued; ``ensure`` when it is needed), so
+that a block's compute waits for its own unit's update, not for those of the blocks it prefetches. Loads stay in the
+order they were asked for (a later unit waits behind a deferred one): with ``shard`` each is a collective that
+every rank issues in the same order, and each block takes the slot it would have taken without deferral, which a
+backward that reuses its forward's saved views needs (``check_same_slot``).
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ class DeviceWindow:
         self.most_resident = 0  # the largest number of blocks resident at once, for the window bound
         self.forward_slots: dict[int, int] = {}  # block -> the slot its saved activations point into
         self.before_load: Callable[[int], None] = lambda unit: None  # waits for the unit's pending update
+        self.update_pending: Callable[[int], bool] = lambda unit: False  # whether ``before_load`` would wait now
+        self.deferred: list[int] = []  # units holding a slot whose load waits for their update, in prefetch order
 
     # --- binding ---------------------------------------------------------------------------------
 
@@ -94,6 +102,7 @@ class DeviceWindow:
             self.unbind(unit)
         self.resident.clear()
         self.forward_slots.clear()
+        self.deferred.clear()
         for slot in self.slots:
             slot.unit = None
         self.root_stale = True
@@ -120,21 +129,39 @@ class DeviceWindow:
         self.bind(unit, slot.buffer)
 
     def prefetch(self, unit: int) -> bool:
-        """Start loading block ``unit`` if it is not resident and a slot is free; False if no slot was free."""
+        """Start loading block ``unit`` if it is not resident and a slot is free; False if no slot was free. The host
+        does not wait: while the unit's update (or one deferred before it) is pending, it takes its slot and its load
+        is deferred (module docstring)."""
         if unit in self.resident:
             return True
         slot = next((s for s in self.slots if s.unit is None), None)
         if slot is None:
             return False
-        self._load(unit, slot)
+        slot.unit = unit
         self.resident[unit] = slot
         self.most_resident = max(self.most_resident, len(self.resident))
+        if self.deferred or self.update_pending(unit):
+            self.deferred.append(unit)
+        else:
+            self._load(unit, slot)
         return True
+
+    def load_deferred(self, through: int | None = None) -> None:
+        """Load the deferred units, in order, whose updates are done now; and, waiting for their updates, every one
+        up to ``through`` (a unit needed now)."""
+        while self.deferred:
+            unit = self.deferred[0]
+            if through not in self.deferred and self.update_pending(unit):
+                return
+            self.deferred.pop(0)
+            self._load(unit, self.resident[unit])
 
     def ensure(self, unit: int) -> None:
         """Block ``unit``'s weights are usable by the work queued next on the current stream."""
         if not self.prefetch(unit):
             raise RuntimeError(f"SlideFSDP: no free device slot for block {unit}: {sorted(self.resident)} are resident")
+        if unit in self.deferred:
+            self.load_deferred(through=unit)
         self.transfers.wait(self.resident[unit].ready)
 
     def remember_slot(self, unit: int) -> None:
@@ -161,6 +188,8 @@ class DeviceWindow:
 
     def release(self, unit: int) -> None:
         """Block ``unit`` no longer needs its weights: its slot may be reused after the work queued so far."""
+        if unit in self.deferred:  # loaded all the same: with ``shard`` every rank's loads are the same collectives
+            self.load_deferred(through=unit)
         slot = self.resident.pop(unit, None)
         if slot is None:
             return

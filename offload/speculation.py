@@ -42,20 +42,32 @@ class SpeculativeBackup:
         self.adam, self.host = adam, host
         if rows is None:
             rows = {unit: (0, master.numel()) for unit, master in enumerate(host.master) if master.numel()}
-        self.rows = rows
-        # zero-filled, not empty: the memory is claimed at setup, as the moments are
-        self.master = {unit: torch.zeros(stop - start, dtype=host.master[unit].dtype) for unit, (start, stop) in rows.items()}
-        self.moments: dict[int, dict[str, torch.Tensor]] = {}
-        for unit, (start, stop) in rows.items():
-            optimizer = adam.optimizers[unit]
-            state = optimizer.state[adam.pieces[unit][0]] if optimizer is not None else {}
-            self.moments[unit] = {key: torch.zeros(stop - start, dtype=value.dtype)
-                                  for key, value in state.items() if key != "step"}
         self.steps: dict[int, list[torch.Tensor]] = {}  # each updated unit's pieces' step counts before the step
         self.updates: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # its rows updated, and their gradient
         self.undone = False  # the step's updates are rolled back now
         self.rolled_back = False  # they were, at least once, in this step
         self.seconds = 0.0  # this step's rollbacks and redos
+        self.rows: dict[int, tuple[int, int]] = {}
+        self.master: dict[int, torch.Tensor] = {}
+        self.moments: dict[int, dict[str, torch.Tensor]] = {}
+        self.retarget(rows)
+
+    def retarget(self, rows: dict[int, tuple[int, int]]) -> None:
+        """Back up ``rows`` from the next step on (``update: auto``'s choice at run time; empty: nothing speculated),
+        keeping the backup of a unit whose rows stay and freeing the others'; between steps, the worker idle."""
+        assert not self.updates, "a step's speculated updates are still to be settled"
+        for unit in [unit for unit in self.rows if self.rows[unit] != rows.get(unit)]:
+            del self.rows[unit], self.master[unit], self.moments[unit]
+        for unit, (start, stop) in rows.items():
+            if unit in self.rows:
+                continue
+            self.rows[unit] = (start, stop)
+            # zero-filled, not empty: the memory is claimed now, as the moments are
+            self.master[unit] = torch.zeros(stop - start, dtype=self.host.master[unit].dtype)
+            optimizer = self.adam.optimizers[unit]
+            state = optimizer.state[self.adam.pieces[unit][0]] if optimizer is not None else {}
+            self.moments[unit] = {key: torch.zeros(stop - start, dtype=value.dtype)
+                                  for key, value in state.items() if key != "step"}
 
     def covers(self, unit: int, start: int, stop: int) -> bool:
         """Whether rows ``[start, stop)`` of ``unit`` are speculated (backed up before their update)."""

@@ -9,6 +9,7 @@ AdamW update runs while the device computes the backward of the blocks before it
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -28,6 +29,7 @@ from lit_fsdp.reliability import OnNonFinite
 from lit_fsdp.lifecycle import CausalLMStrategy, DType
 from offload import adamw_kernel
 from offload.activation_plan import ActivationPlanSpec
+from offload.auto_update import AutoUpdate, StepRates
 from offload.compile import compile_forwards
 from offload.cpu_adam import CpuAdam
 from offload.engine import FORWARD, SlideEngine
@@ -41,12 +43,13 @@ from offload.residency import DeviceWindow, replace_meta_parameters
 from offload.state_dict import HostStateDict
 from offload.strategy_checkpoints import SlideCheckpoints
 from offload.strategy_report import SlideReport
+from offload.strategy_update import SlideUpdateChoice
 from offload.transfers import Transfers
 
 OptimizerStateDType = Literal["float32", "bfloat16"]
 
 
-class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
+class SlideFSDPStrategy(SlideReport, SlideCheckpoints, SlideUpdateChoice, CausalLMStrategy):
     """Layer-streaming CPU offload (SlideFSDP): master weights and AdamW on the host, a window of blocks on the device."""
 
     strategy_name = "slide_fsdp"
@@ -76,6 +79,7 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
         gradient_slots: int | None = None,
         pin_memory: bool = True,
         host_memory_gb: float | None = None,
+        host_reserve_gb: float | None = None,
         block_class: str | None = None,
         on_nonfinite: OnNonFinite = "stop",
         process_group_backend: str | None = None,
@@ -144,6 +148,10 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
             pin_memory: Pin the host buffers that cross PCIe (GPU only); if pinning fails it is turned off with a warning.
             host_memory_gb: Host memory (GiB per node) the preflight may count on; default: MemAvailable now. Set it
                 on a VM whose memory is granted as it is used, where MemAvailable starts far below what the VM gets.
+            host_reserve_gb: Host memory (GiB per node) left free beside SlideFSDP's buffers, for a checkpoint's page
+                cache, data workers and the allocator's growth: ``auto``'s split, ``activation_plan: auto`` and the
+                preflight keep within the rest; default (null): 1/16 of ``host_memory_gb`` or MemAvailable (8 GiB of
+                128); 0 keeps nothing back.
             block_class: Class name of the transformer block; default: the model's ``_no_split_modules``.
             on_nonfinite: A step whose loss or gradients are not finite: ``stop`` the run before anything non-finite is
                 applied, ``skip_step`` on every rank (the CPU updates then wait for the end of the backward, as with
@@ -154,7 +162,8 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
         """
         super().__init__(block_class, param_dtype, reduce_dtype, activation_checkpointing, on_nonfinite, True,
                          process_group_backend, timeout)
-        check_knob_values(cpu_threads=cpu_threads, host_memory_gb=host_memory_gb, optimizer_state_dtype=optimizer_state_dtype,
+        check_knob_values(cpu_threads=cpu_threads, host_memory_gb=host_memory_gb, host_reserve_gb=host_reserve_gb,
+                          optimizer_state_dtype=optimizer_state_dtype,
                           master_dtype=master_dtype, cpu_binding=cpu_binding, control_cores=control_cores,
                           delayed_update_warmup=delayed_update_warmup, update=update,
                           speculated_blocks=speculated_blocks, accumulate_on=accumulate_on)
@@ -165,7 +174,7 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
         self.optimizer_state_dtype, self.master_dtype = optimizer_state_dtype, master_dtype
         self.update, self.speculated_blocks, self.delayed_update_warmup = update, speculated_blocks, delayed_update_warmup
         self.gradient_slots = gradient_slots
-        self.pin_memory, self.host_memory_gb = pin_memory, host_memory_gb
+        self.pin_memory, self.host_memory_gb, self.host_reserve_gb = pin_memory, host_memory_gb, host_reserve_gb
         self.engine: SlideEngine | None = None
         self.host: HostState | None = None
         self.adam: CpuAdam | None = None
@@ -174,6 +183,15 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
         self.update_taken = ""  # the update schedule as place() took it (``SlidePlan.describe_update``)
         self.speculated_share = 0.0  # of this rank's trained rows, those a split speculates
         self.taken_plan: SlidePlan | None = None  # the plan place() took, its split chosen
+        self.auto: AutoUpdate | None = None  # update: auto's choice at run time (``offload.auto_update``)
+        self.update_reason = ""  # why the update taken (the log line and results.jsonl)
+        self.pending_split: tuple[int | None, str] | None = None  # auto's choice, taken before the next backward
+        self.model_sizes: list[UnitSize] = []
+        self.forward_began: float | None = None  # the host's clock when the micro-batch's forward began
+        self.forward_s = 0.0  # this optimizer step's forwards, as the host ran them
+        self.clipped = False  # clipping or the guard fired at this optimizer step
+        # where the units' master rows were left at different steps when the optimizer was closed (``CpuAdam.close``)
+        self.mixed_steps: str | None = None
 
     # --- before any worker starts ------------------------------------------------------------------
 
@@ -205,13 +223,17 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
     def preflight(self, trainer: pl.Trainer, module: pl.LightningModule, datamodule: Any = None) -> None:
         """The knobs against the run, LoRA's dtype, then the host buffers against the host's memory."""
         super().preflight(trainer, module, datamodule)
-        plan = self.plan(trainer)
-        plan.check_knobs()
+        self.plan(trainer).check_knobs()
         self.check_lora(module)
+        self.preflight_host(trainer, module, datamodule)
+
+    def preflight_host(self, trainer: Any, module: pl.LightningModule, datamodule: Any = None) -> dict[str, int]:
+        """Refuse a run whose host buffers, with the split it would take and its reserve kept, do not fit the host's
+        budget (``offload.preflight.host_memory_budget``); returns the bytes counted, per buffer."""
         units = self.model_units(module, datamodule, trainer.num_devices)
-        budget = host_memory_budget(self.host_memory_gb)
-        self.split_plan(trainer, module, datamodule, units, host_bytes=budget[0]).check_host(
-            units, *budget, activation_bytes=plan.activation_bytes(units, module, datamodule))
+        budget = host_memory_budget(self.host_memory_gb, self.host_reserve_gb)
+        plan = self.split_plan(trainer, module, datamodule, units, host_bytes=budget[0])
+        return plan.check_host(units, *budget, activation_bytes=plan.activation_bytes(units, module, datamodule))
 
     def check_lora(self, module: pl.LightningModule) -> None:
         """LoRA's frozen base is kept in the compute dtype alone: bfloat16 (or float32) rounds it as FSDP2's cast does,
@@ -277,7 +299,8 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
             numel = sum(layout.full_numel for layout in layouts)
             shared = SharedStaging(numel, compute, pin, shard_rank, node_tag(self.node_rank), shard_mesh.get_group())
         sizes = sizes_of(layouts, trained, self.grad_sync == "gpu_reduce", leading_root_places(network, blocks, trained[-1]))
-        plan = self.taken_plan = self.placed_split(plan, sizes)
+        plan = self.taken_plan = self.placed_split(module, sizes)
+        plan = self.taken_plan = self.start_auto(trainer, plan, sizes)
         self.host = HostState(
             layouts, compute, reduce, full_staging=full, keep_gradients=plan.schedule.keep_gradients,
             incoming_full=self.grad_sync == "cpu_reduce", ring_size=plan.ring_slots(sizes), pin=pin, shared=shared,
@@ -299,15 +322,19 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
             world_size=self.world_size, shard_rank=shard_rank, shard_group=device_shards,
             replicate_group=self.device_mesh["replicate"].get_group() if self.num_nodes > 1 else None,
             host_group=self.host_group, schedule=plan.schedule,
-            speculated=speculated_units(sizes, plan.split_blocks) if plan.split_blocks is not None else None,
-            marks=SharedMarks(len(layouts), shard_rank, shards, node_tag(self.node_rank), shard_mesh.get_group())
+            # auto: an empty split, its rows chosen once the first steps are measured (``take_update``)
+            speculated=speculated_units(sizes, plan.split_blocks) if plan.split_blocks is not None else
+            {} if self.auto is not None else None,
+            marks=SharedMarks.on_node(len(layouts), shard_rank, shards, node_tag(self.node_rank), shard_mesh.get_group(),
+                                      (self._timeout or default_pg_timeout).total_seconds())
             if shared is not None and plan.schedule.behind_forward else None,
         )
         speculated = gradients.speculated or {}
         self.speculated_share = sum(stop - start for start, stop in speculated.values()) / max(
             1, sum(layout.shard_numel for layout in trained))
-        self.update_taken = plan.describe_update(sizes)
-        activations = plan.activations(len(blocks), lambda: placed_costs(module, plan, window, sizes, self.host_memory_gb))
+        self.update_taken = plan.describe_update(sizes) + self.describe_auto()
+        activations = plan.activations(len(blocks), lambda: placed_costs(module, plan, window, sizes, self.host_memory_gb,
+                                                                              self.host_reserve_gb))
         self.recomputed_blocks = tuple(activations.blocks("recompute"))
         self.activation_plan_taken = activations.describe()
         self.engine = SlideEngine(
@@ -319,18 +346,6 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
         rank_zero_info(f"SlideFSDP: {self.host.describe(compute, shards, pin)}; device window {self.window} blocks; "
                        f"param_transfer {self.param_transfer}, grad_sync {self.grad_sync}; activations: "
                        f"{self.activation_plan_taken}; update: {self.update_taken}")
-
-    def placed_split(self, plan: SlidePlan, sizes: list[UnitSize]) -> SlidePlan:
-        """``plan`` with its split taken when the model is placed: the host's budget (``host_memory_gb``, else
-        MemAvailable now, which lacks nothing placed yet: the buffers are allocated after) on every rank alike."""
-        if not plan.schedule.split or plan.speculated_blocks is not None:
-            return plan.split(sizes, None)
-        available = host_memory_budget(self.host_memory_gb)[0]
-        if self.world_size > 1:  # every rank takes the node's smallest figure: the same split everywhere
-            figure = torch.tensor([available if available is not None else -1], dtype=torch.int64)
-            dist.all_reduce(figure, op=dist.ReduceOp.MIN, group=self.cpu_mesh["shard"].get_group())
-            available = None if int(figure) < 0 else int(figure)
-        return plan.split(sizes, available)
 
     def unsteady_steps(self) -> int:
         """The delayed update's synchronous warm-up (``delayed_update_warmup``)."""
@@ -366,10 +381,15 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
         self.engine.phase = FORWARD
+        self.forward_began = time.perf_counter()
         return super().training_step(*args, **kwargs)
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         assert self.engine is not None
+        if self.forward_began is not None:
+            self.forward_s += time.perf_counter() - self.forward_began
+            self.forward_began = None
+        self.take_update()
         self.engine.begin_backward()
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -394,7 +414,9 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
             return None
         if self.engine.schedule.delay:
             return self.engine.gradients.delayed_norm(max_norm, group)
-        return self.engine.gradients.ordered_norm(max_norm, group, self.on_nonfinite)
+        norm = self.engine.gradients.ordered_norm(max_norm, group, self.on_nonfinite)
+        self.clipped = norm is not None and not (bool(torch.isfinite(norm)) and (max_norm is None or float(norm) <= max_norm))
+        return norm
 
     def drop_gradients(self, optimizer: Any) -> None:
         assert self.engine is not None
@@ -408,7 +430,10 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
         result = super().optimizer_step(optimizer, closure, model, **kwargs)  # forward, backward, clipping
         assert self.engine is not None and self.adam is not None
         step = self.lightning_module.trainer.global_step  # this step's index: the steps before it are done
-        self.engine.finish_step(self.adam, warming_up=step < self.delayed_update_warmup)
+        done = self.engine.finish_step(self.adam, warming_up=step < self.delayed_update_warmup)
+        self.choose_update(StepRates(max(0.0, self.forward_s - done.forward_wait_s), done.device_backward_s,
+                                     max(0.0, done.cpu_update_s - done.rollback_s), self.clipped))
+        self.forward_s, self.clipped = 0.0, False
         if not self.engine.schedule.behind_forward:  # else each load waits for its unit on every local rank
             self._staging_barrier()
         return result
@@ -449,11 +474,19 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, CausalLMStrategy):
         finally:
             self.engine.accumulating = False
 
+    def on_exception(self, exception: BaseException) -> None:
+        """This rank leaves the step: the node's other ranks, waiting for its marks on their shared staging copy, stop
+        now rather than at the timeout."""
+        marks = self.engine.gradients.marks if self.engine is not None else None
+        if marks is not None:
+            marks.abandon()
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         if self.engine is not None:  # a run stopped between micro-batches: a later fit starts with no sum
             self.engine.gradients.accumulated.clear()
-        if self.adam is not None:
-            self.adam.close()
+        if self.adam is not None:  # the updates queued run first: every unit at the step they bring it to
+            self.mixed_steps = self.adam.close()
             self.adam = None
         if self.host is not None:  # unpinned, not freed: a later validate or test on this trainer copies pageable
             self.host.close()

@@ -10,6 +10,7 @@ from typing import Any
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lit_fsdp import checkpoints
+from lit_fsdp.errors import OneLineError
 from lit_fsdp.lightning_compat import METADATA_FILENAME as _METADATA_FILENAME
 from lit_fsdp.lightning_compat import is_sharded_checkpoint as _is_sharded_checkpoint
 from offload.state_dict import HostStateDict
@@ -17,10 +18,18 @@ from offload.state_dict import HostStateDict
 
 class SlideCheckpoints:
     """``SlideFSDPStrategy``'s checkpoint methods (a mixin: the strategy holds ``host_state_dict``, ``adam``, ``engine``,
-    ``apply_delayed_updates`` and ``refresh_staging``)."""
+    ``mixed_steps``, ``apply_delayed_updates`` and ``refresh_staging``)."""
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The weights, refused on every rank where one rank's units are at different steps: a step interrupted after
+        some of its updates (on arrival, or one that failed) and before the others."""
         assert self.host_state_dict is not None
+        mixed = self.adam.settle() if self.adam is not None else self.mixed_steps
+        if not self.reduce_boolean_decision(mixed is None, all=True):
+            where = f"this rank's master weights at different steps ({mixed})" if mixed else (
+                "another rank's master weights at different steps (its log says which)")
+            raise OneLineError(f"SlideFSDP will not save: an interrupted step left {where}; resume from the last "
+                               "checkpoint (--ckpt_path last)")
         self.apply_delayed_updates()
         return self.host_state_dict.model_state()
 
@@ -50,5 +59,6 @@ class SlideCheckpoints:
         if fitting:
             HostStateDict.restore_groups(self.adam, state["optimizer_0"])
         self.refresh_staging()
+        self.mixed_steps = None  # every row is the checkpoint's
         return checkpoints.load(path / _METADATA_FILENAME)
 

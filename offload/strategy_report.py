@@ -4,6 +4,7 @@ them), and the plan with its split taken that ``estimate`` and the preflight cou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -53,12 +54,14 @@ class SlideReport:
         return plan.host_buffers(units, plan.activation_bytes(units, module, datamodule))
 
     def split_plan(self, trainer: Any, module: pl.LightningModule, datamodule: Any, units: list[UnitSize],
-                   compute: torch.dtype | None = None, host_bytes: int | None = None) -> SlidePlan:
+                   compute: torch.dtype | None = None, host_bytes: int | None = None,
+                   step_s: Callable[[int | None], float] | None = None) -> SlidePlan:
         """This run's plan with its split taken within ``host_bytes`` per node (default: the split ``place`` took, or
-        this host's budget before it)."""
+        this host's budget before it, its reserve kept), the host's activations counted; by the step-time model
+        ``step_s`` where it is given (``offload.update_split.choose_split``)."""
         if self.taken_plan is not None and compute is None and host_bytes is None:
             return self.taken_plan
         plan = self.plan(trainer, compute)
-        available = host_bytes if host_bytes is not None else host_memory_budget(self.host_memory_gb)[0]
-        return plan.split(units, available, plan.activation_bytes(units, module, datamodule))
-
+        available = host_bytes if host_bytes is not None else host_memory_budget(self.host_memory_gb,
+                                                                                  self.host_reserve_gb)[0]
+        return plan.split(units, available, plan.activation_bytes(units, module, datamodule), step_s)

@@ -7,8 +7,9 @@ weights in the other order. ``split`` speculates the units whose gradients arriv
 and the last ``blocks`` blocks (``offload.host_memory.speculated_units``), each updated on arrival after a backup of its rows (``offload.speculation``), hidden
 behind the rest of the backward; every other unit is updated after the norm in forward order, hidden behind the
 next forward (``offload.schedule``). The backup holds the speculated rows alone, so the split takes as many blocks as
-the host has room for (``largest_split``), and, where the step-time model is known (``estimate``, ``tune``), no more
-than the model finds worth their backup pass (``choose_split``).
+the host has room for (``largest_split``), and, where the step-time model is known (``estimate``, ``tune``, and at
+run time once the first steps are measured: ``offload.auto_update``), the fastest of those and ``forward``, their
+backup pass and their rollback at the steps whose clipping fires counted (``choose_split``).
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ def largest_split(blocks: int, fits: Callable[[int], bool]) -> int | None:
     return low
 
 
-def choose_split(blocks: int, fits: Callable[[int], bool], step_s: Callable[[int], float] | None = None) -> int | None:
-    """``auto``'s split: the fastest of the splits that fit by ``step_s`` (the fewest blocks among equals: the
-    smallest backup), else the largest that fits; None where none does."""
+def choose_split(blocks: int, fits: Callable[[int], bool],
+                 step_s: Callable[[int | None], float] | None = None) -> int | None:
+    """``auto``'s split: by ``step_s`` (the step-time model; None: ``forward``, nothing speculated), the fastest of
+    ``forward`` and the splits that fit (among equals the smallest backup); without the model, the largest split that
+    fits; None (``forward``) where none does."""
     most = largest_split(blocks, fits)
-    if most is None or step_s is None:
+    if step_s is None:
         return most
-    return min(range(most + 1), key=lambda k: (round(step_s(k), 6), k))
+    candidates = [None, *(range(most + 1) if most is not None else ())]
+    return min(candidates, key=lambda k: (round(step_s(k), 6), -1 if k is None else k))

@@ -264,7 +264,8 @@ def fit_here(argv: list[str], progress: Progress, min_free_gib: float) -> int:
 def figures(run: dict[str, Any]) -> dict[str, Any]:
     """The figures of a measured run that the records' summaries and the tables show: results.jsonl's rates (the
     warm-up left out) and step-time percentiles, every measured step's time (throughput.json), peaks and offload
-    figures, the lowest MemAvailable, and the CPU update's GB/s: the bytes
+    figures, the lowest MemAvailable (sampled by the check every 2 s, and by ``callbacks.Memory`` at each phase of
+    every step: ``host_available_min_gb``) beside ``estimate``'s host figure, and the CPU update's GB/s: the bytes
     ``estimate`` counts for it over its measured time (absent where either is)."""
     result, estimate = run.get("result", {}), run.get("estimate", {})
     keys = ("tokens_per_s", "mfu", "steps_measured", "warmup_steps_included", "step_time_ms_mean", "step_time_ms_p10",
@@ -278,4 +279,6 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
         found["offload_cpu_update_gbps"] = update_bytes / 1e9 / (update_ms / 1e3)
     if estimate.get("step_time_s") is not None:
         found["estimate_step_time_s"] = estimate["step_time_s"]
+    if estimate.get("host_gib") is not None:  # beside the host's lowest MemAvailable during each step (callbacks.Memory)
+        found["estimate_host_gib"] = estimate["host_gib"]
     return found

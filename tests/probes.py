@@ -294,3 +294,21 @@ class RecordFirstGradients(pl.Callback):
                 parts.append(grad.detach().float().flatten().cpu())
         if trainer.global_rank == 0:
             torch.save(torch.cat(parts), self.path)
+
+
+class SaveHostState(pl.Callback):
+    """SlideFSDP: writes each rank's master rows and AdamW state (``exp_avg``, ``exp_avg_sq``, ``step`` per trained
+    piece, unit by unit) to ``<path>.rank<r>`` at the end of fit, after the strategy's teardown: what a script finds
+    once fit returns. The probe waits for no update itself."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        self.host, self.adam = trainer.strategy.host, trainer.strategy.adam  # the strategy lets go of adam at teardown
+
+    def on_fit_end(self, trainer, pl_module):  # Lightning calls it after strategy.teardown()
+        moments = [[{key: value.clone() for key, value in optimizer.state[piece].items()} for piece in pieces]
+                   if optimizer is not None else [] for optimizer, pieces in zip(self.adam.optimizers, self.adam.pieces)]
+        torch.save({"master": [rows.clone() for rows in self.host.master], "moments": moments},
+                   f"{self.path}.rank{trainer.global_rank}")

@@ -57,11 +57,17 @@ def test_every_step_runs_in_cpu_mode_and_leaves_its_records(tmp_path):
     assert len(eight_b["step_times_ms"]) == 3 and eight_b["step_time_ms_p10"] <= eight_b["step_time_ms_p90"]
     assert eight_b["offload_cpu_update_gbps"] > 0 and eight_b["min_mem_available_gib"] > 0
     assert {"offload_device_idle_ms", "offload_cpu_update_hidden_share", "offload_cpu_update_hideable_share"} <= set(eight_b)
+    # every measured run: the host's lowest MemAvailable during its steps beside estimate's host figure
+    for name, run in measured.items():
+        assert run["figures"]["host_available_min_gb"] > 0 and run["figures"]["min_mem_available_gib"] > 0, name
+        assert run["figures"]["estimate_host_gib"] == run["estimate"]["host_gib"] > 0, name
     # the first window's steps: each new path ran, the rollback's forced and the plan auto took recorded
     assert set(gpu_steps.PLANS["first_window"][1:]) <= set(measured)
     rolled = runs["first_split_rollback"]  # every step's rollback, counted with the next step's figures
     assert rolled["result"]["offload_rollbacks"] == rolled["steps_done"] - 1 and rolled["result"]["offload_update"].startswith("split")
-    assert runs["eight_b"]["result"]["offload_update"].startswith("split")  # the shipped 8B's exact update
+    # the shipped 8B's exact update: auto, chosen after step 4 by the step model with the run's rates, and why
+    assert runs["eight_b"]["result"]["offload_update"].startswith(("split", "forward order"))
+    assert runs["eight_b"]["result"]["offload_update_reason"].startswith("by the step model with this run's rates")
     taken = runs["first_auto_plan"]["result"]["offload_activation_plan"]  # in words: "2 kept on the device"
     assert re.fullmatch(r"\d+ (on the host|recomputed|kept on the device)(, \d+ (recomputed|kept on the device))*", taken)
     assert runs["eight_b_float8"]["same_run_as"] == "eight_b" or "torchao" in sys.modules  # one CPU run, two records

@@ -499,13 +499,15 @@ def test_host_memory_gb_replaces_memavailable_where_a_vm_grants_memory_as_it_is_
 
     strategy, trainer, module, data = _llama_8b_offload()
     monkeypatch.setattr(slide, "available_host_bytes", lambda: 20 * GIB)  # what such a VM reports at start
-    with pytest.raises(ValueError, match=r"but 20.0 GiB are available \(MemAvailable; set host_memory_gb on a VM that "
-                                         r"grows its memory on demand\); use"):
+    with pytest.raises(ValueError, match=r"but 18.8 GiB are available \(MemAvailable 20.0 GiB; set host_memory_gb on a "
+                                         r"VM that grows its memory on demand, less a reserve of 1.2 GiB: "
+                                         r"host_reserve_gb\); use"):
         _check_host(strategy, trainer, module, data)
     strategy.host_memory_gb = 120.0
-    assert 93.6 < sum(_check_host(strategy, trainer, module, data).values()) / GIB <= 120.0  # the split fills the rest
+    assert 93.6 < sum(_check_host(strategy, trainer, module, data).values()) / GIB <= 112.5  # the split fills the rest
     strategy.host_memory_gb = 64.0
-    with pytest.raises(ValueError, match=r"but 64.0 GiB are allowed by host_memory_gb; use"):
+    with pytest.raises(ValueError, match=r"but 60.0 GiB are allowed by host_memory_gb \(64 GiB, less a reserve of 4.0 "
+                                         r"GiB: host_reserve_gb\); use"):
         _check_host(strategy, trainer, module, data)
     with pytest.raises(ValueError, match=r"^SlideFSDP host_memory_gb=0 must be > 0, or null for MemAvailable$"):
         SlideFSDPStrategy(host_memory_gb=0)

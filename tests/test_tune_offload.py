@@ -152,23 +152,14 @@ BEFORE = [*CONFIGS, "--data.init_args.batch_size", "8", "--trainer.accumulate_gr
 CONTEXT_GB = 2.0  # the CUDA context and allocator caches a real trial's peak would add to the estimate
 
 
-def _compiled_step_share() -> float:
-    """The 8B's steady step with compiled blocks over its eager one on the H100 (the records ``eight_b_compiled`` and
-    ``eight_b`` in docs/gpu_runs/2026-11-27-h100/summary-*.json, the shipped config otherwise): what ``estimate`` does
-    not model."""
-    p50 = {run: gpu_run_result("2026-11-27-h100", run)["step_time_ms_p50"] for run in ("eight_b", "eight_b_compiled")}
-    return p50["eight_b_compiled"] / p50["eight_b"]
-
-
 class EstimatedTrials:
     """A trial runner that measures nothing: each candidate's figures are ``estimate``'s for the configs with its knobs,
-    on the hardware file's rates (``offload.step_time``): tokens/s from the step time (compiled blocks: the device's
-    share of it at the H100's measured compiled/eager ratio), the update's exposed time as the optimizer step's wait
+    on the hardware file's rates (``offload.step_time``; compiled blocks at its ``compiled_efficiency``): tokens/s from
+    the step time, the update's exposed time as the optimizer step's wait
     for it (enough gradient slots: the backward never idles), the device peak plus a context."""
 
     def __init__(self, trainer, module, data, hardware, base_init_args):
         self.trainer, self.module, self.data, self.hardware, self.base = trainer, module, data, hardware, base_init_args
-        self.compiled_step_share = _compiled_step_share()
         self.ran: list[Candidate] = []
 
     def __call__(self, candidate: Candidate, index: int, source: str, deadline_s: float) -> Trial:
@@ -185,10 +176,6 @@ class EstimatedTrials:
         if not figures["fits"]:
             return Trial(candidate, source, "oom", index=index, error="estimate: does not fit")
         step_s = figures["step_time_s"]
-        if candidate.compile_blocks and figures["step_model"] is not None:
-            model = figures["step_model"]
-            device_s = model["forward_s"] + model["backward_s"]
-            step_s += device_s * (self.compiled_step_share - 1)
         trial = Trial(candidate, source, "ok", index=index, tokens_per_s=figures["tokens_per_process"] / step_s,
                       step_time_ms_p50=step_s * 1e3, mfu=figures["mfu"],
                       peak_gb=figures["device_peak_bytes"] / GIB + CONTEXT_GB)
@@ -202,7 +189,7 @@ class EstimatedTrials:
         return trial
 
 
-def test_the_default_search_for_the_8b_on_an_h100_reaches_the_shipped_knobs():
+def test_the_default_search_for_the_8b_on_an_h100_comes_within_2_percent_of_the_shipped_knobs():
     hardware = load(str(REPO / "configs" / "hardware" / "h100_128g.json"))
     shipped_trainer, _, shipped_data = parse(CONFIGS, hardware)
     shipped = default_candidate(shipped_trainer, shipped_data)
@@ -217,17 +204,20 @@ def test_the_default_search_for_the_8b_on_an_h100_reaches_the_shipped_knobs():
                     lambda candidate: None, runner, loss_tolerance=0.02, trial_timeout_s=900.0)
     result = Controller(search, Budget()).run()  # tune's default budget: 12 trials, patience 4
 
-    # the shipped knobs: the exact update (auto) in place of the synchronous one first, then more tokens per
-    # micro-batch, compiled blocks, up to the configs' whole batch of 32 in one micro-batch
-    assert result.best.candidate.key() == shipped.key(), result.best.candidate.changes(shipped)
+    # the exact update (auto) in place of the synchronous one first, then compiled blocks, then the activation plan
+    # at micro-batches of 8: within 2% of the shipped knobs (the configs' whole batch of 32 in one micro-batch, every
+    # block recomputed), which the greedy search does not reach from there (16 per micro-batch is slower)
+    shipped_trial = runner(shipped, 99, "shipped", 900.0)
+    assert result.best.tokens_per_s > 0.98 * shipped_trial.tokens_per_s
+    assert result.best.candidate.update == shipped.update == "auto" and result.best.candidate.compile_blocks
     first = result.trials[2]  # after the default and its calibration: the Judge's cpu_update, the Coder's first move
     assert first.source == "rules: cpu_update: update synchronous -> auto"
     assert result.default.findings[0]["kind"] == "cpu_update"
     ran = [trial for trial in result.trials if trial.index is not None]  # a trial the memory filter refused never ran
     assert ran[2].tokens_per_s > ran[0].tokens_per_s  # the update hidden behind the next forward
-    assert ran[4].source == "rules: compute: compile_blocks False -> True" and ran[4].tokens_per_s > ran[3].tokens_per_s
-    assert result.best.tokens_per_s > 1.4 * result.default.tokens_per_s
-    assert result.best.mfu > 0.365  # estimate's 37.0% for the shipped config at the hardware file's compute_efficiency
+    assert ran[3].source == "rules: compute: compile_blocks False -> True" and ran[3].tokens_per_s > ran[2].tokens_per_s
+    assert result.best.tokens_per_s > 1.25 * result.default.tokens_per_s  # 1.29x
+    assert result.best.mfu > 0.40  # estimate: 40.4% (40.8% for the shipped knobs)
     # the plan decides the recompute: no trial of it drops activation_checkpointing as well
     assert not any(t.candidate.activation_plan == "auto" and t.candidate.activation_checkpointing == 0
                    for t in result.trials)

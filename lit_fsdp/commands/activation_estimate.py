@@ -21,12 +21,16 @@ DEFAULT_LINK_GBPS = 25.0
 
 
 def planned_activations(strategy: Any, trainer: Any, data: Any, config: Any, units: list[UnitSize],
-                        compute: torch.dtype, hardware: Any, device_others: int, host_others: int) -> PlanCost:
+                        compute: torch.dtype, hardware: Any, device_others: int, host_others: int,
+                        host_budget: int | None = None) -> PlanCost:
     """The plan ``strategy`` takes for ``units`` on ``hardware`` and its cost; ``device_others`` and ``host_others``:
-    the device's and the host's other bytes (estimate's figures without the activations)."""
+    the device's and the host's other bytes (estimate's figures without the activations); ``host_budget``: the
+    host's bytes SlideFSDP may take (default: all of the hardware file's)."""
     slide_plan = strategy.plan(trainer, compute)
-    peak = (hardware.peak_for(compute) or 100.0) * 1e12 * (hardware.compute_efficiency or COMPUTE_EFFICIENCY)
+    peak = (hardware.peak_for(compute) or 100.0) * 1e12 * (hardware.efficiency(strategy.compile_blocks)
+                                                           or COMPUTE_EFFICIENCY)
+    host = int(hardware.host_memory_gb * GIB) if host_budget is None else host_budget
     device_memory = hardware.memory_per_process_gb(trainer.num_devices) * GIB
     costs = block_costs(slide_plan, config, data, units, peak, int(device_memory * DEVICE_SHARE) - device_others,
-                        int(hardware.host_memory_gb * GIB) - host_others, (hardware.pcie_gbps or DEFAULT_LINK_GBPS) * 1e9)
+                        host - host_others, (hardware.pcie_gbps or DEFAULT_LINK_GBPS) * 1e9)
     return cost(slide_plan.activations(len(units) - 1, lambda: costs), costs)

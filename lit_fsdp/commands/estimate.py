@@ -26,7 +26,7 @@ import json
 import math
 import sys
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -47,7 +47,9 @@ from lit_fsdp.commands.tune.space import Candidate
 from lit_fsdp.diloco import exchange_bytes, outer_state_bytes
 from offload.host_memory import (FLAG_ELEMENTS, RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, piece_capacity, pieces,
                                   speculated_units, with_runtime)
-from offload.step_time import ForwardOrder, slide_step_time
+from offload.preflight import host_reserve_bytes
+from offload.step_time import (PRIOR_CLIP_RATE, adamw_state_bytes, backup_share, cpu_update_bytes, forward_order,
+                               slide_step_time)
 
 
 class _ConfigOnly(LitFsdpCLI):
@@ -180,47 +182,6 @@ def fsdp2_traffic(trainer: RunTrainer, candidate: Candidate, parameters: int, tr
     return traffic
 
 
-def adamw_state_bytes(optimizer_state_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> int:
-    """Host bytes SlideFSDP's AdamW moves per parameter besides the gradient reads and the staging write: the master
-    weight (in ``master_dtype``) and the two moments (in ``optimizer_state_dtype``) read and written."""
-    return master_dtype.itemsize * 2 + optimizer_state_dtype.itemsize * 2 * 2
-
-
-def cpu_update_bytes(trainer: RunTrainer, parameters: int, compute: torch.dtype, reduce_dtype: torch.dtype,
-                     units: list[UnitSize] = ()) -> int:
-    """Host bytes SlideFSDP's CPU updates of ``parameters`` trained parameters read and write per node per optimizer
-    step, as implemented today (a frozen one, LoRA's base, is never updated).
-
-    Per trained parameter, in one pass per chunk (``offload.cpu_adam``): AdamW's master weight and moments read and
-    written
-    (``adamw_state_bytes``), the staging copy written from the chunk in cache (the compute dtype), and the gradient,
-    read by AdamW in the dtype it arrives in, or accumulated into the kept fp32 buffer each micro-batch it reaches the
-    host in when gradients are kept (one a step where the device sums them); no staging write where the master is the staging copy (``units``: the model's, to tell; by
-    default assumed to train every parameter). A delayed update cannot write the staging copy while the next step may load it: the unit's
-    rows are rewritten from the master (read again) once it is loaded for the last time. The non-finite check is the device's with ``gpu_reduce``; with ``cpu_reduce`` the host
-    reads the gradient once more for it.
-    """
-    strategy = trainer.strategy
-    plan = strategy.plan(trainer, compute)
-    schedule, master = plan.schedule, plan.master_dtype
-    reduce = reduce_dtype.itemsize
-    state = adamw_state_bytes(plan.optimizer_state_dtype, master)
-    per = state + (0 if plan.master_in_staging(units) else compute.itemsize)
-    if schedule.keep_gradients:
-        per += plan.host_accumulation * (reduce + 8) + 4
-    else:
-        per += reduce
-    if schedule.delay:  # the staging row rewritten from the master after the unit's last load of the step
-        per += master.itemsize
-    if schedule.speculate:  # the rows backed up before the update (read, then written), the gradient read for its norm
-        per += state + (4 if schedule.keep_gradients else reduce)
-    elif schedule.ordered and not schedule.keep_gradients:  # the held gradient read once more, for its norm on arrival
-        per += reduce
-    if schedule.check_units_finite and strategy.grad_sync == "cpu_reduce":
-        per += 4 if schedule.keep_gradients else reduce
-    return parameters * per
-
-
 def float8_peak(peak: float | None, fp8_peak: float | None, flops: float, in_float8: float) -> float | None:
     """The device's rate over ``flops`` of which ``in_float8`` run at ``fp8_peak`` (the hardware file's; a probed one
     is ``torch._scaled_mm``'s measured rate) and the rest at ``peak``: the harmonic mix. Unchanged where either is
@@ -258,100 +219,121 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
               "weights_and_gradients_in_flight": memory.working_set, "activations": memory.activations,
               "loss": memory.logits}
     tokens = trainer.accumulate_grad_batches * data.batch_size * data.seq_len  # per process per optimizer step
-    recompute, activation_plan = candidate.activation_checkpointing, None
-    if candidate.strategy == "slide_fsdp":
-        units = strategy.model_units(module, data, trainer.num_devices)
-        slide_plan = strategy.split_plan(trainer, module, data, units, compute, int(hardware.host_memory_gb * GIB))
-        host = slide_plan.host_buffers(units, slide_plan.activation_bytes(units, module, data))
-        traffic = slide_traffic(trainer, units, data.batch_size, data.seq_len, config.hidden_size, compute, reduce)
-        update_bytes = cpu_update_bytes(trainer, model.trained, compute, reduce, units)
-        planned = planned_activations(strategy, trainer, data, config, units, compute, trainer.hardware,
-                                      sum(device.values()) - device["activations"],
-                                      sum(with_runtime(host, processes).values()))
-        activation_plan, recompute = planned.plan, planned.plan.blocks("recompute")
-        if strategy.activation_plan is not None:  # else the every-k-th count above, LoRA's extra tensors included
-            device["activations"] = planned.device_bytes
-        if strategy.activation_plan == "auto":  # chosen here: the preflight could not count it
-            host["activations"] = host.get("activations", 0) + planned.host_bytes
-        moved = trainer.accumulate_grad_batches * activation_plan.count("host") * planned.saved_bytes
-        traffic["h2d"], traffic["d2h"] = traffic["h2d"] + moved, traffic["d2h"] + moved
-    else:
-        host = {"model_states": memory.host_per_node} if candidate.cpu_offload else {}
-        traffic = fsdp2_traffic(trainer, candidate, model.parameters, model.trained, compute, reduce)
-        update_bytes = 0
-        if semi_sync is not None:  # semi-synchronous: the outer state, and an exchange every H steps
-            replicas, shard = strategy.mesh_shape(run.world_size, trainer.num_nodes)
-            trained = -(-model.trained // shard)
-            outer = outer_state_bytes(semi_sync.outer, trained)
-            if semi_sync.outer.state_device == "cpu":
-                host["outer_state"] = outer * processes
-            else:
-                device["outer_state"] = outer
-            traffic["all_reduce"] = exchange_bytes(semi_sync, trained, replicas)
-    host = with_runtime(host, processes)
     model_flops = tokens * flops_per_token(config, data.seq_len, adapter_parameters(config, lora) if lora else None,
                                            trained_matrices(config, lora))
-    flops = model_flops + tokens * recompute_flops_per_token(config, data.seq_len, recompute,
-                                                             whole_block=activation_plan is not None)
-    peak = hardware.peak_for(compute)
-    if (module.hparams.get("float8") or "off") != "off":  # the blocks' linear layers at the fp8 rate
-        in_float8 = tokens * block_matmul_flops_per_token(config, recompute, activation_plan is not None, bool(lora))
-        peak = float8_peak(peak, hardware.peak_tflops.get("fp8"), flops, in_float8)
-    network = {name: traffic[name] for name in ("all_gather", "reduce_scatter", "all_reduce")}
-    # a shard group inside one node gathers and reduce-scatters over its fast links; replicas on several nodes
-    # all-reduce across nodes
-    shape = strategy.mesh_shape(run.world_size, trainer.num_nodes) if candidate.strategy != "slide_fsdp" else (1,)
-    within_node = shape[-1] <= trainer.num_devices
-    shard_link = hardware.intra_node_gbps if trainer.num_nodes == 1 or within_node else hardware.inter_node_gbps
-    replica_link = hardware.intra_node_gbps if trainer.num_nodes == 1 else hardware.inter_node_gbps
-    sharded, replicated = network["all_gather"] + network["reduce_scatter"], network["all_reduce"]
-    times = {
-        "compute_s": None if peak is None else flops / (peak * 1e12),
-        "h2d_s": seconds(traffic["h2d"], hardware.pcie_gbps) if traffic["h2d"] else 0.0,
-        "d2h_s": seconds(traffic["d2h"], hardware.pcie_gbps) if traffic["d2h"] else 0.0,
-        # the CPU updates of a node share its memory bandwidth
-        "cpu_update_s": seconds(update_bytes, hardware.host_memory_gbps) if update_bytes else 0.0,
-        "network_s": _sum_known([seconds(sharded, shard_link) if sharded else 0.0,
-                                 seconds(replicated, replica_link) if replicated else 0.0]),
-    }
-    missing = [name for name, value in times.items() if value is None]
-    step_time = bound = mfu = None
-    step_model: dict[str, Any] | None = None
-    efficiency = hardware.compute_efficiency or 1.0
-    # MFU's denominator is the datasheet's peak, as callbacks.Throughput's, where the table knows the device (a
-    # probed hardware file's peak_tflops is the measured matmul rate); else the hardware file's
-    mfu_peak = device_peaks(hardware.device_name).get(matmul_format(compute)) or peak
-    if not missing:
-        # the device's compute at the share of its peak it reaches; transfers and the network at their rates
-        reached = {**times, "compute_s": times["compute_s"] / efficiency}
-        step_time = max(reached.values())
-        if candidate.strategy == "slide_fsdp":
-            slide = slide_step(trainer, units, model_flops, flops, peak * 1e12 * efficiency, times, hardware, compute,
-                               slide_plan)
-            step_model = asdict(slide)
-            step_time = max(step_time, slide.step_s)
-        bound = max(reached, key=reached.get).removesuffix("_s")
-        mfu = model_flops / (step_time * mfu_peak * 1e12)
-    device_total, host_total = sum(device.values()), sum(host.values())
-    device_memory = hardware.memory_per_process_gb(processes) * GIB
-    checkpoint = checkpoint_size(strategy, config, run.world_size, trainer.num_nodes, lora)
-    return {
-        "hardware": asdict(hardware), "strategy": candidate.strategy, "knobs": candidate.knobs(),
-        "parameters": model.parameters, "trained_parameters": model.trained,
-        "compute_dtype": str(compute).removeprefix("torch."),
-        "tokens_per_step": tokens * run.world_size, "tokens_per_process": tokens,
-        "host_bytes": host_total, "host_by_buffer": host, "host_memory_bytes": int(hardware.host_memory_gb * GIB),
-        "device_peak_bytes": device_total, "device_by_component": device, "device_memory_bytes": int(device_memory),
-        "fits": device_total <= device_memory and host_total <= hardware.host_memory_gb * GIB,
-        "h2d_bytes": traffic["h2d"], "d2h_bytes": traffic["d2h"], "network_bytes": network,
-        "semi_synchronous": semi_sync is not None,
-        "cpu_update_bytes": update_bytes, "model_flops": model_flops, "flops": flops, "times": times,
-        "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu, "mfu_peak_tflops": mfu_peak,
-        "compute_efficiency": hardware.compute_efficiency, "step_model": step_model,
-        "activation_plan": None if activation_plan is None else activation_plan.counts(),
-        "update": slide_plan.describe_update(units) if candidate.strategy == "slide_fsdp" else None,
-        "checkpoint_bytes": checkpoint.total(weights_only=False), "checkpoint_counted": checkpoint.counted,
-    }
+    units: list[UnitSize] = []
+    reserve = 0
+    if candidate.strategy == "slide_fsdp":
+        units = strategy.model_units(module, data, trainer.num_devices)
+        reserve = host_reserve_bytes(int(hardware.host_memory_gb * GIB), strategy.host_reserve_gb)
+    budget = int(hardware.host_memory_gb * GIB) - reserve
+
+    def figures(slide_plan: Any = None) -> dict[str, Any]:
+        """The figures with SlideFSDP's ``slide_plan`` (its split taken; None: FSDP2)."""
+        recompute, activation_plan = candidate.activation_checkpointing, None
+        parts = dict(device)
+        if slide_plan is not None:
+            host = slide_plan.host_buffers(units, slide_plan.activation_bytes(units, module, data))
+            traffic = slide_traffic(trainer, units, data.batch_size, data.seq_len, config.hidden_size, compute, reduce)
+            update_bytes = cpu_update_bytes(trainer, model.trained, compute, reduce, units)
+            planned = planned_activations(strategy, trainer, data, config, units, compute, trainer.hardware,
+                                          sum(parts.values()) - parts["activations"],
+                                          sum(with_runtime(host, processes).values()), budget)
+            activation_plan, recompute = planned.plan, planned.plan.blocks("recompute")
+            if strategy.activation_plan is not None:  # else the every-k-th count above, LoRA's extra tensors included
+                parts["activations"] = planned.device_bytes
+            if strategy.activation_plan == "auto":  # chosen here: the preflight could not count it
+                host["activations"] = host.get("activations", 0) + planned.host_bytes
+            moved = trainer.accumulate_grad_batches * activation_plan.count("host") * planned.saved_bytes
+            traffic["h2d"], traffic["d2h"] = traffic["h2d"] + moved, traffic["d2h"] + moved
+        else:
+            host = {"model_states": memory.host_per_node} if candidate.cpu_offload else {}
+            traffic = fsdp2_traffic(trainer, candidate, model.parameters, model.trained, compute, reduce)
+            update_bytes = 0
+            if semi_sync is not None:  # semi-synchronous: the outer state, and an exchange every H steps
+                replicas, shard = strategy.mesh_shape(run.world_size, trainer.num_nodes)
+                trained = -(-model.trained // shard)
+                outer = outer_state_bytes(semi_sync.outer, trained)
+                if semi_sync.outer.state_device == "cpu":
+                    host["outer_state"] = outer * processes
+                else:
+                    parts["outer_state"] = outer
+                traffic["all_reduce"] = exchange_bytes(semi_sync, trained, replicas)
+        host = with_runtime(host, processes)
+        flops = model_flops + tokens * recompute_flops_per_token(config, data.seq_len, recompute,
+                                                                 whole_block=activation_plan is not None)
+        peak = hardware.peak_for(compute)
+        if (module.hparams.get("float8") or "off") != "off":  # the blocks' linear layers at the fp8 rate
+            in_float8 = tokens * block_matmul_flops_per_token(config, recompute, activation_plan is not None, bool(lora))
+            peak = float8_peak(peak, hardware.peak_tflops.get("fp8"), flops, in_float8)
+        network = {name: traffic[name] for name in ("all_gather", "reduce_scatter", "all_reduce")}
+        # a shard group inside one node gathers and reduce-scatters over its fast links; replicas on several nodes
+        # all-reduce across nodes
+        shape = strategy.mesh_shape(run.world_size, trainer.num_nodes) if slide_plan is None else (1,)
+        within_node = shape[-1] <= trainer.num_devices
+        shard_link = hardware.intra_node_gbps if trainer.num_nodes == 1 or within_node else hardware.inter_node_gbps
+        replica_link = hardware.intra_node_gbps if trainer.num_nodes == 1 else hardware.inter_node_gbps
+        sharded, replicated = network["all_gather"] + network["reduce_scatter"], network["all_reduce"]
+        times = {
+            "compute_s": None if peak is None else flops / (peak * 1e12),
+            "h2d_s": seconds(traffic["h2d"], hardware.pcie_gbps) if traffic["h2d"] else 0.0,
+            "d2h_s": seconds(traffic["d2h"], hardware.pcie_gbps) if traffic["d2h"] else 0.0,
+            # the CPU updates of a node share its memory bandwidth
+            "cpu_update_s": seconds(update_bytes, hardware.host_memory_gbps) if update_bytes else 0.0,
+            "network_s": _sum_known([seconds(sharded, shard_link) if sharded else 0.0,
+                                     seconds(replicated, replica_link) if replicated else 0.0]),
+        }
+        missing = [name for name, value in times.items() if value is None]
+        step_time = bound = mfu = None
+        step_model: dict[str, Any] | None = None
+        efficiency = hardware.efficiency(getattr(strategy, "compile_blocks", False)) or 1.0
+        # MFU's denominator is the datasheet's peak, as callbacks.Throughput's, where the table knows the device (a
+        # probed hardware file's peak_tflops is the measured matmul rate); else the hardware file's
+        mfu_peak = device_peaks(hardware.device_name).get(matmul_format(compute)) or peak
+        if not missing:
+            # the device's compute at the share of its peak it reaches; transfers and the network at their rates
+            reached = {**times, "compute_s": times["compute_s"] / efficiency}
+            step_time = max(reached.values())
+            if slide_plan is not None:
+                slide = slide_step(trainer, units, model_flops, flops, peak * 1e12 * efficiency, times, hardware,
+                                   compute, slide_plan)
+                step_model = asdict(slide)
+                step_time = max(step_time, slide.step_s)
+            bound = max(reached, key=reached.get).removesuffix("_s")
+            mfu = model_flops / (step_time * mfu_peak * 1e12)
+        device_total, host_total = sum(parts.values()), sum(host.values())
+        device_memory = hardware.memory_per_process_gb(processes) * GIB
+        checkpoint = checkpoint_size(strategy, config, run.world_size, trainer.num_nodes, lora)
+        return {
+            "hardware": asdict(hardware), "strategy": candidate.strategy, "knobs": candidate.knobs(),
+            "parameters": model.parameters, "trained_parameters": model.trained,
+            "compute_dtype": str(compute).removeprefix("torch."),
+            "tokens_per_step": tokens * run.world_size, "tokens_per_process": tokens,
+            "host_bytes": host_total, "host_by_buffer": host, "host_memory_bytes": int(hardware.host_memory_gb * GIB),
+            "host_reserve_bytes": reserve,
+            "device_peak_bytes": device_total, "device_by_component": parts, "device_memory_bytes": int(device_memory),
+            "fits": device_total <= device_memory and host_total <= budget,
+            "h2d_bytes": traffic["h2d"], "d2h_bytes": traffic["d2h"], "network_bytes": network,
+            "semi_synchronous": semi_sync is not None,
+            "cpu_update_bytes": update_bytes, "model_flops": model_flops, "flops": flops, "times": times,
+            "missing_rates": missing, "bound": bound, "step_time_s": step_time, "mfu": mfu, "mfu_peak_tflops": mfu_peak,
+            "compute_efficiency": efficiency if hardware.compute_efficiency else None, "step_model": step_model,
+            "activation_plan": None if activation_plan is None else activation_plan.counts(),
+            "update": slide_plan.describe_update(units) if slide_plan is not None else None,
+            "checkpoint_bytes": checkpoint.total(weights_only=False), "checkpoint_counted": checkpoint.counted,
+        }
+
+    if candidate.strategy != "slide_fsdp":
+        return figures()
+    # auto's split: the fastest of forward and the splits that fit by the step model (the rollback at
+    # offload.step_time.PRIOR_CLIP_RATE), each with its own activation plan; without the rates, the largest that fits
+    largest = strategy.split_plan(trainer, module, data, units, compute, budget)
+    first = figures(largest)
+    if not largest.schedule.split or first["step_time_s"] is None or strategy.speculated_blocks is not None:
+        return first
+    chosen = strategy.split_plan(trainer, module, data, units, compute, budget,
+                                 step_s=lambda k: figures(replace(largest, split_blocks=k))["step_time_s"])
+    return first if chosen == largest else figures(chosen)
 
 
 def slide_step(trainer: RunTrainer, units: list[UnitSize], model_flops: float, flops: float, rate: float,
@@ -369,29 +351,11 @@ def slide_step(trainer: RunTrainer, units: list[UnitSize], model_flops: float, f
     update = times["cpu_update_s"]
     order = None
     if schedule.behind_forward:
-        per_row = cpu_update_bytes(trainer, 1, compute, plan.reduce_dtype, units)
-        backup_row = adamw_state_bytes(plan.optimizer_state_dtype, plan.master_dtype)
-        order = forward_order(plan, units, update, trainer.strategy.window, backup_row / per_row)
+        clip_rate = PRIOR_CLIP_RATE if plan.run.clipping else 0.0
+        order = forward_order(plan, units, update, trainer.strategy.window,
+                              backup_share(trainer, compute, plan.reduce_dtype, units), clip_rate)
     return slide_step_time(forward, flops / rate - forward, times["h2d_s"], times["d2h_s"], update,
                            last / total, refresh, len(units) - 1, trainer.accumulate_grad_batches, schedule.name, order)
-
-
-def forward_order(plan: Any, units: list[UnitSize], update_s: float, window: int, backup_share: float) -> ForwardOrder:
-    """The ordered update's parts (``offload.step_time.ForwardOrder``) for ``plan``'s split: each unit's share of the
-    node's ``update_s`` by its trained rows; a speculated row's update also reads and writes its master and moments
-    once more for the backup (``backup_share`` of its update's bytes)."""
-    trained = [unit.trained() for unit in units]
-    total = sum(unit.shard_numel for unit in trained) or 1
-    seconds = [update_s * unit.shard_numel / total for unit in trained]
-    speculated = speculated_units(units, plan.split_blocks) if plan.split_blocks is not None else {}
-    backup = 1 + backup_share
-    root = len(units) - 1
-    rows = speculated.get(root, (0, 0))
-    root_speculated = (rows[1] - rows[0]) / max(1, trained[root].shard_numel)
-    speculated_s = seconds[root] * root_speculated * backup + sum(
-        seconds[block] * backup for block in speculated if block != root)
-    return ForwardOrder(seconds[root] * (1 - root_speculated), tuple(seconds[:root]), plan.split_blocks or 0,
-                        speculated_s, window)
 
 
 def _gib(value: float) -> str:
@@ -407,8 +371,10 @@ def report(figures: dict[str, Any]) -> str:
         f"{figures['strategy']} on {hardware['nodes']} node(s) x {hardware['devices_per_node']} {hardware['device_name']}: "
         f"{figures['parameters'] / 1e9:.3g}B parameters{lora} in {figures['compute_dtype']}, "
         f"{figures['tokens_per_process']:,} tokens per process per step ({figures['tokens_per_step']:,} in all)",
-        f"host per node: {_gib(figures['host_bytes'])} of {_gib(figures['host_memory_bytes'])} "
-        f"({describe(figures['host_by_buffer'])} GiB; runtime is an allowance of "
+        f"host per node: {_gib(figures['host_bytes'])} of {_gib(figures['host_memory_bytes'])}"
+        + (f" less a reserve of {_gib(figures['host_reserve_bytes'])} (host_reserve_gb)"
+           if figures["host_reserve_bytes"] else "")
+        + f" ({describe(figures['host_by_buffer'])} GiB; runtime is an allowance of "
         f"{RUNTIME_BYTES_PER_PROCESS / GIB:.0f} GiB per process)",
         f"device per process: {_gib(figures['device_peak_bytes'])} of {_gib(figures['device_memory_bytes'])} "
         f"({describe(figures['device_by_component'])} GiB; allocator and CUDA context not counted)",
@@ -436,7 +402,9 @@ def report(figures: dict[str, Any]) -> str:
                      f"{', '.join(figures['missing_rates'])} (peak_tflops, pcie_gbps, host_memory_gbps, *_node_gbps)")
         return "\n".join(lines)
     efficiency = figures["compute_efficiency"]
-    at = (f"the device at {efficiency:.0%} of its peak (the hardware file's compute_efficiency)" if efficiency
+    which = "compiled_efficiency" if efficiency and efficiency != hardware.get("compute_efficiency") else \
+        "compute_efficiency"
+    at = (f"the device at {efficiency:.0%} of its peak (the hardware file's {which})" if efficiency
           else "the device at its peak (no compute_efficiency in the hardware file): an upper bound")
     if figures["step_model"]:
         model = figures["step_model"]

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from lit_fsdp.device_peaks import device_peaks, matmul_format
+from lit_fsdp.meminfo import meminfo_bytes
 
 _GIB = 2**30
 _FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -50,6 +51,13 @@ class Hardware:
     compute_efficiency: float | None = None
     """share of peak_tflops a transformer's forward and backward reach on one device, as measured (e.g. by
     scripts/gpu_check.py); null: the peak, and estimate's step time is a bound"""
+    compiled_efficiency: float | None = None
+    """the same share with compiled blocks (compile_blocks: true), fitted to a recorded compiled run; null:
+    compute_efficiency's"""
+
+    def efficiency(self, compiled: bool = False) -> float | None:
+        """The share of the peak the device's compute reaches, with compiled blocks or eager."""
+        return (self.compiled_efficiency if compiled and self.compiled_efficiency else None) or self.compute_efficiency
 
     def memory_per_process_gb(self, processes_per_node: int) -> float:
         """The device memory one process has: a device's, or its share of one when processes outnumber devices."""
@@ -74,10 +82,11 @@ class Hardware:
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{where}: {name} must be a number > 0, got {value!r}")
-        efficiency = self.compute_efficiency
-        if efficiency is not None and (not isinstance(efficiency, (int, float)) or isinstance(efficiency, bool)
-                                       or not 0 < efficiency <= 1):
-            raise ValueError(f"{where}: compute_efficiency must be a number in (0, 1], or null, got {efficiency!r}")
+        for name in ("compute_efficiency", "compiled_efficiency"):
+            efficiency = getattr(self, name)
+            if efficiency is not None and (not isinstance(efficiency, (int, float)) or isinstance(efficiency, bool)
+                                           or not 0 < efficiency <= 1):
+                raise ValueError(f"{where}: {name} must be a number in (0, 1], or null, got {efficiency!r}")
         if not isinstance(self.peak_tflops, dict):
             raise ValueError(f"{where}: peak_tflops must be an object like {{\"bf16\": 989.5}}, got {self.peak_tflops!r}")
         for key, value in self.peak_tflops.items():
@@ -85,20 +94,10 @@ class Hardware:
                 raise ValueError(f"{where}: peak_tflops[{key!r}]={value!r}; keys are {', '.join(_FORMATS)} with TFLOPS > 0")
 
 
-def _meminfo_gb(key: str) -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) * 1024 / _GIB
-    except OSError:
-        return None
-    return None
-
-
 def detect(accelerator: Literal["cuda", "cpu"] | None = None) -> Hardware:
     """This node as the tuner sees it; nodes from SLURM (``SLURM_JOB_NUM_NODES``), else 1. ``accelerator`` ``cpu``
     describes the host alone where a GPU is present too (runs configured for the CPU); default: the GPU if any."""
-    host_memory = _meminfo_gb("MemTotal") or 1.0
+    host_memory = (meminfo_bytes("MemTotal") or _GIB) / _GIB
     nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
     cores = os.cpu_count() or 1
     if accelerator != "cpu" and torch.cuda.is_available():
