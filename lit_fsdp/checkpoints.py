@@ -285,11 +285,17 @@ def resolve(ckpt_path: str | None, folder: Path) -> tuple[str | None, dict[str, 
         notes.append(f"lit_fsdp: resuming from {best.path} (step {manifest.get('step')}, "
                      f"written by {manifest.get('world_size')} process(es))")
         return str(best.path), manifest, notes
+    return ckpt_path, resumable(ckpt_path).manifest, []
+
+
+def resumable(ckpt_path: str) -> Found:
+    """``inspect`` of a named ``--ckpt_path``, refused in one line where it is not a complete checkpoint (an empty or
+    truncated file, a save cut short) before anything reads it."""
     found = inspect(Path(ckpt_path))
     if found.problem is not None:
         raise CheckpointError(f"checkpoint {ckpt_path} cannot be resumed: {found.problem}; pass another one, "
                               f"or --ckpt_path last for the newest complete checkpoint of the run")
-    return ckpt_path, found.manifest, []
+    return found
 
 
 def earlier_run(folder: Path) -> list[str]:

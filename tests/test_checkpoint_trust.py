@@ -77,6 +77,19 @@ def test_a_checkpoint_that_runs_code_when_unpickled_is_refused_in_one_line(tmp_p
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 cut short"])
+def test_an_empty_or_truncated_checkpoint_file_is_refused_in_one_line_before_it_is_read(tmp_path, content):
+    checkpoint = tmp_path / "last.ckpt"
+    checkpoint.write_bytes(content)
+    result = cli_in_process("fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--ckpt_path",
+                            str(checkpoint), cwd=REPO)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lit_fsdp: error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "EOFError" not in result.stderr
+    assert len(errors) == 1 and errors[0].startswith(
+        f"lit_fsdp: error: checkpoint {checkpoint} cannot be resumed: it cannot be read (File is not a zip file); pass "
+        "another one, or --ckpt_path last for the newest complete checkpoint of the run"), result.stderr[-2000:]
+
+
 @pytest.mark.parametrize("strategy", ["lit_fsdp.strategy.FSDP2Strategy", "lit_fsdp.ddp.DDPStrategy",
                                       "offload.SlideFSDPStrategy"])
 @pytest.mark.parametrize("layout", ["file", "folder"])

@@ -154,11 +154,12 @@ class LitFsdpCLI(LightningCLI):
         except ArgumentError as error:  # its message alone: the usage before it is the length of a screen
             raise OneLineError(config_keys.parse_error_line(error, command or "fit")) from error
         # LightningCLI reads a --ckpt_path file's hyperparameters next, before our preflight: a file that is not a
-        # checkpoint of ours must be refused first, in our one line (checkpoints.load).
+        # complete checkpoint of ours (empty, truncated, or holding what we never write) is refused first, in our one
+        # line (checkpoints.resumable, checkpoints.load).
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path and Path(ckpt_path).is_file():
-            checkpoints.inspect(Path(ckpt_path))
+            checkpoints.resumable(ckpt_path)
 
     def _preflight(self) -> None:
         strategy = self.trainer.strategy
