@@ -1,7 +1,8 @@
 """``update: auto`` at run time: the split chosen again by the step-time model, fed this run's own rates.
 
-When the model is placed, ``auto`` takes the largest split whose backup the host has room for (``offload.plan``); that
-backup stays allocated. From then on the run measures what the model needs, per optimizer step: the device's forward
+When the model is placed, ``auto`` takes the largest split whose backup the host has room for (``offload.plan``) as
+its ceiling, and runs ``forward`` (nothing speculated, no backup) until its first choice; each choice allocates the
+backup of its own split alone (``offload.speculation.SpeculativeBackup.retarget``). The run measures what the model needs, per optimizer step: the device's forward
 and backward as the host saw them (the forward's waits for updates left out), the CPU update's time (its backup
 passes and rollbacks left out) and whether clipping or the non-finite guard fired. After ``FIRST_DECISION`` steps
 (the first ``LEFT_OUT`` left out of the rates) and every ``DECISION_EVERY`` steps after, ``AutoUpdate.decide`` runs
@@ -67,12 +68,16 @@ class AutoUpdate:
             return 0.0
         return sum(step.clipped for step in self.steps) / len(self.steps)
 
+    def rates(self) -> tuple[float, float, float]:
+        """The medians of the forward, the backward and the update over the observed steps, the first left out."""
+        measured = self.steps[LEFT_OUT:] or self.steps
+        return (statistics.median(step.forward_s for step in measured),
+                statistics.median(step.backward_s for step in measured),
+                statistics.median(step.update_s for step in measured))
+
     def step_s(self, blocks: int | None) -> float:
         """The step's time by the model with the observed rates, ``blocks`` speculated (None: ``forward``)."""
-        measured = self.steps[LEFT_OUT:] or self.steps
-        forward = statistics.median(step.forward_s for step in measured)
-        backward = statistics.median(step.backward_s for step in measured)
-        update = statistics.median(step.update_s for step in measured)
+        forward, backward, update = self.rates()
         order: ForwardOrder = forward_order(replace(self.plan, split_blocks=blocks), list(self.units), update,
                                             self.plan.window, self.backup_share, self.clip_rate())
         micro_batches = self.plan.run.accumulation
@@ -83,19 +88,17 @@ class AutoUpdate:
         candidates = [None, *range((self.allocated if self.allocated is not None else -1) + 1)]
         times = {blocks: self.step_s(blocks) for blocks in candidates}
         chosen = min(candidates, key=lambda k: (round(times[k], 6), -1 if k is None else k))
-        measured = self.steps[LEFT_OUT:] or self.steps
         runner_up = min((k for k in candidates if k != chosen), key=lambda k: times[k], default=None)
         other = "" if len(candidates) < 2 else f" against {name(runner_up)}'s {times[runner_up]:.3f} s"
+        forward, backward, update = self.rates()
         self.reason = (f"by the step model with this run's rates over steps {LEFT_OUT + 1}-{len(self.steps)} "
-                       f"(forward {statistics.median(s.forward_s for s in measured):.3f} s, backward "
-                       f"{statistics.median(s.backward_s for s in measured):.3f} s, CPU update "
-                       f"{statistics.median(s.update_s for s in measured):.3f} s, clip rate "
+                       f"(forward {forward:.3f} s, backward {backward:.3f} s, CPU update {update:.3f} s, clip rate "
                        f"{self.clip_rate():.0%} of {len(self.steps)} steps): {times[chosen]:.3f} s a step{other}")
         return chosen
 
 
 def name(blocks: int | None) -> str:
-    """A choice in words: ``forward`` or ``split of N blocks``."""
+    """A choice in words: ``forward``, ``split of the head side`` or ``split of the head side and N blocks``."""
     if blocks is None:
         return "forward"
     return f"split of the head side and {blocks} block{'s' * (blocks != 1)}" if blocks else "split of the head side"

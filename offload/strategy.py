@@ -299,8 +299,7 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, SlideUpdateChoice, Causal
             numel = sum(layout.full_numel for layout in layouts)
             shared = SharedStaging(numel, compute, pin, shard_rank, node_tag(self.node_rank), shard_mesh.get_group())
         sizes = sizes_of(layouts, trained, self.grad_sync == "gpu_reduce", leading_root_places(network, blocks, trained[-1]))
-        plan = self.taken_plan = self.placed_split(module, sizes)
-        plan = self.taken_plan = self.start_auto(trainer, plan, sizes)
+        plan = self.taken_plan = self.start_auto(trainer, self.placed_split(module, sizes), sizes)
         self.host = HostState(
             layouts, compute, reduce, full_staging=full, keep_gradients=plan.schedule.keep_gradients,
             incoming_full=self.grad_sync == "cpu_reduce", ring_size=plan.ring_slots(sizes), pin=pin, shared=shared,
@@ -329,9 +328,7 @@ class SlideFSDPStrategy(SlideReport, SlideCheckpoints, SlideUpdateChoice, Causal
                                       (self._timeout or default_pg_timeout).total_seconds())
             if shared is not None and plan.schedule.behind_forward else None,
         )
-        speculated = gradients.speculated or {}
-        self.speculated_share = sum(stop - start for start, stop in speculated.values()) / max(
-            1, sum(layout.shard_numel for layout in trained))
+        self.note_speculated(gradients.speculated or {})
         self.update_taken = plan.describe_update(sizes) + self.describe_auto()
         activations = plan.activations(len(blocks), lambda: placed_costs(module, plan, window, sizes, self.host_memory_gb,
                                                                               self.host_reserve_gb))

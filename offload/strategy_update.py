@@ -57,6 +57,11 @@ class SlideUpdateChoice:
         room = "" if ceiling is None else f" (the host has room for the head side and {ceiling} blocks)"
         return f" until step {FIRST_DECISION}, then the step model's choice with this run's rates{room}"
 
+    def note_speculated(self, rows: dict[int, tuple[int, int]]) -> None:
+        """``speculated_share``: of this rank's trained rows, those ``rows`` speculate."""
+        self.speculated_share = sum(stop - start for start, stop in rows.values()) / max(
+            1, sum(unit.trained().shard_numel for unit in self.model_sizes))
+
     def choose_update(self, rates: StepRates) -> None:
         """``update: auto`` at run time: record this step's rates; where a choice is due, take global rank 0's,
         applied before the next backward (``take_update``)."""
@@ -81,8 +86,7 @@ class SlideUpdateChoice:
         rows = speculated_units(self.model_sizes, blocks) if blocks is not None else {}
         self.engine.gradients.speculate(rows)
         self.taken_plan, self.update_reason = plan, reason
-        self.speculated_share = sum(stop - start for start, stop in rows.values()) / max(
-            1, sum(unit.trained().shard_numel for unit in self.model_sizes))
+        self.note_speculated(rows)
         self.update_taken = plan.describe_update(self.model_sizes)
         if changed or len(self.auto.steps) == FIRST_DECISION:
             rank_zero_info(f"SlideFSDP update: auto took {name(blocks)} at step {len(self.auto.steps)}: {reason}")

@@ -48,8 +48,7 @@ from lit_fsdp.diloco import exchange_bytes, outer_state_bytes
 from offload.host_memory import (FLAG_ELEMENTS, RUNTIME_BYTES_PER_PROCESS, UnitSize, describe, piece_capacity, pieces,
                                   speculated_units, with_runtime)
 from offload.preflight import host_reserve_bytes
-from offload.step_time import (PRIOR_CLIP_RATE, adamw_state_bytes, backup_share, cpu_update_bytes, forward_order,
-                               slide_step_time)
+from offload.step_time import PRIOR_CLIP_RATE, backup_share, cpu_update_bytes, forward_order, slide_step_time
 
 
 class _ConfigOnly(LitFsdpCLI):
@@ -328,12 +327,19 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
     # auto's split: the fastest of forward and the splits that fit by the step model (the rollback at
     # offload.step_time.PRIOR_CLIP_RATE), each with its own activation plan; without the rates, the largest that fits
     largest = strategy.split_plan(trainer, module, data, units, compute, budget)
-    first = figures(largest)
-    if not largest.schedule.split or first["step_time_s"] is None or strategy.speculated_blocks is not None:
-        return first
+    by_split = {largest.split_blocks: figures(largest)}
+    if not largest.schedule.split or by_split[largest.split_blocks]["step_time_s"] is None \
+            or strategy.speculated_blocks is not None:
+        return by_split[largest.split_blocks]
+
+    def split_figures(blocks: int | None) -> dict[str, Any]:
+        if blocks not in by_split:
+            by_split[blocks] = figures(replace(largest, split_blocks=blocks))
+        return by_split[blocks]
+
     chosen = strategy.split_plan(trainer, module, data, units, compute, budget,
-                                 step_s=lambda k: figures(replace(largest, split_blocks=k))["step_time_s"])
-    return first if chosen == largest else figures(chosen)
+                                 step_s=lambda blocks: split_figures(blocks)["step_time_s"])
+    return split_figures(chosen.split_blocks)
 
 
 def slide_step(trainer: RunTrainer, units: list[UnitSize], model_flops: float, flops: float, rate: float,
