@@ -52,6 +52,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=8, max_position_embeddings=131072, vocab_size=152064, rope_theta=1000000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False, use_sliding_window=False,
     ),
+    # Mixture of experts: every block's MLP is 8 (tiny) or 128 (30B-A3B) experts of which a token uses the top 8,
+    # weighted by a router. The load-balancing loss is on (output_router_logits), as pretraining needs it; a real
+    # Qwen3-30B-A3B (--model.pretrained_path Qwen/Qwen3-30B-A3B) keeps its own config's choice.
+    "qwen3-moe-tiny": dict(
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=512, vocab_size=512,
+        tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.001,
+    ),
+    # The shape of Qwen3-30B-A3B: 30.53e9 parameters, 3.35e9 active per token (8 of 128 experts).
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=40960,
+        vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        output_router_logits=True, router_aux_loss_coef=0.001,
+    ),
 }
 
 

@@ -125,14 +125,21 @@ def init_by_unit(
 
 def load_by_shard(model: nn.Module, folder: str | Path, skip: Collection[str] = ()) -> None:
     """Fill every parameter but those named in ``skip`` (clean names: LoRA's adapters) from the safetensors files of
-    a Hugging Face folder, reading only local rows."""
-    from safetensors import safe_open
+    a Hugging Face folder, reading only local rows.
+
+    The checkpoint's names are mapped to the model's by transformers' own conversion rules (``checkpoint_layout``):
+    a mixture-of-experts checkpoint with one tensor per expert fills the model's fused 3D expert tensors, each rank
+    reading only the experts of its shard. A missing, unexpected or mis-shaped tensor is refused in one line.
+    """
+    from lit_fsdp.checkpoint_layout import load_converted
 
     folder = Path(folder)
     index_file = folder / "model.safetensors.index.json"
     if index_file.is_file():
         weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
     elif (folder / "model.safetensors").is_file():
+        from safetensors import safe_open
+
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
             weight_map = {key: "model.safetensors" for key in f.keys()}
     else:
@@ -140,28 +147,12 @@ def load_by_shard(model: nn.Module, folder: str | Path, skip: Collection[str] = 
             f"no model.safetensors or model.safetensors.index.json in {folder}; "
             "save the model with save_pretrained(..., safe_serialization=True)"
         )
-    prefix = getattr(model, "base_model_prefix", "") + "."
-    handles: dict[str, object] = {}
+    for file in set(weight_map.values()):
+        # by name, not by resolving links: the Hub cache links each snapshot file to ../../blobs/<sha>
+        if not Path(os.path.normpath(folder / file)).is_relative_to(os.path.normpath(folder)):
+            key = next(k for k, v in weight_map.items() if v == file)
+            raise ValueError(f"{index_file} maps {key!r} to {file!r}, which is not a file inside {folder}; "
+                             "use the index that save_pretrained wrote with the weights")
+    params = {clean_name(name): param for name, param in model.named_parameters()}
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            key = clean_name(name)
-            if key in skip:
-                continue
-            if key not in weight_map and key.startswith(prefix) and key[len(prefix) :] in weight_map:
-                key = key[len(prefix) :]
-            if key not in weight_map:
-                raise ValueError(f"{folder} has no weight for parameter {key!r}; is it the same architecture?")
-            file = weight_map[key]
-            if file not in handles:
-                # by name, not by resolving links: the Hub cache links each snapshot file to ../../blobs/<sha>
-                if not Path(os.path.normpath(folder / file)).is_relative_to(os.path.normpath(folder)):
-                    raise ValueError(f"{index_file} maps {key!r} to {file!r}, which is not a file inside {folder}; "
-                                     "use the index that save_pretrained wrote with the weights")
-                handles[file] = safe_open(str(folder / file), framework="pt")
-            tensor_slice = handles[file].get_slice(key)  # type: ignore[attr-defined]
-            local = param.to_local() if isinstance(param, DTensor) else param
-            if param.dim() == 0:
-                local.copy_(tensor_slice[...])
-            else:
-                start, stop = shard_rows(param)
-                local.copy_(tensor_slice[start:stop].to(local.dtype))
+        load_converted(model, folder, weight_map, {k: v for k, v in params.items() if k not in skip}, skip)
