@@ -48,7 +48,8 @@ class Results(pl.Callback):
 
     Besides the run's identity and its final losses, the record holds the ``summary()`` of every other
     callback of the trainer that has one (``Throughput``, ``Memory``, ``CompressionStats``,
-    ``CommProfiler``, ``Quality``). Figures without a callback to measure them are null, not zero.
+    ``CommProfiler``, ``Quality``), and the module's (``CausalLM``'s experts). Figures without a callback to measure
+    them are null, not zero.
     """
 
     def __init__(self, run_name: str | None = None):
@@ -98,6 +99,8 @@ class Results(pl.Callback):
         for callback in trainer.callbacks:
             if callback is not self and callable(getattr(callback, "summary", None)):
                 record.update(callback.summary())
+        if callable(getattr(pl_module, "summary", None)):  # CausalLM: a mixture of experts' tokens per expert
+            record.update(pl_module.summary())
         return finite_or_null(record)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
+    SkipParameters,
     WeightConverter,
     WeightRenaming,
     dot_natural_key,
@@ -97,23 +98,28 @@ def load_converted(model: nn.Module, folder: Path, weight_map: dict[str, str], p
                              error_msgs=[], skipped_pp_keys=set())
     loaded: set[str] = set()
     for first, mapping in targets.items():
-        for name, value in mapping.convert(first, model=model, config=model.config, loading_info=info).items():
+        if _local(params[first]).numel() == 0:  # fewer experts than ranks: this rank holds none of them
+            continue
+        try:
+            converted = mapping.convert(first, model=model, config=model.config, loading_info=info)
+        except SkipParameters:  # transformers recorded why (a traceback's text) in info.conversion_errors
+            lines = [line.strip() for line in str(info.conversion_errors.get(first, "")).splitlines() if line.strip()]
+            reason = lines[-1][:200] if lines else "no reason given"
+            raise OneLineError(f"{folder}: the tensors for {first!r} do not convert ({reason}); is one missing, or is "
+                               "config.json another model's?") from None
+        for name, value in converted.items():
             value = value[0] if isinstance(value, list) else value
             if name not in params:
                 raise OneLineError(f"{folder}: converting {first!r} gave {name!r}, which {type(model).__name__} has "
                                    "no parameter for; is it the same architecture?")
-            local = params[name].to_local() if isinstance(params[name], DTensor) else params[name]
+            local = _local(params[name])
             if tuple(value.shape) != tuple(local.shape):
                 raise OneLineError(f"{folder}: the tensors converted into {name!r} give this rank {list(value.shape)} "
                                    f"where its shard of the model's {list(params[name].shape)} is {list(local.shape)}; "
                                    "is it the same architecture and config.json?")
             local.copy_(value)
             loaded.add(name)
-    if info.conversion_errors:
-        name, error = next(iter(info.conversion_errors.items()))
-        raise OneLineError(f"{folder}: transformers could not convert {name!r} ({' '.join(str(error).split())[:200]}); "
-                           "is it the same architecture?")
-    missing = [name for name in params if name not in loaded]
+    missing = [name for name in params if name not in loaded and _local(params[name]).numel() > 0]
     if missing:
         raise OneLineError(f"{folder} has no weight for parameter {missing[0]!r} ({len(missing)} missing); is it the "
                            "same architecture?")
@@ -137,3 +143,8 @@ def _ignored(model: nn.Module, name: str) -> bool:
     import re
 
     return any(re.search(pattern, name) for pattern in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``param``: a DTensor's local shard, or the whole tensor."""
+    return param.to_local() if isinstance(param, DTensor) else param

@@ -25,6 +25,26 @@ the band.
 Families: GPT-2, and the Llama-like decoders (Llama, Mistral, Qwen 2 and 3, Gemma 2, Phi-3, OLMo 2), whose
 blocks all hold the same matrices: Q and O at heads x head_dim, K and V at the grouped width, and a gated MLP's gate,
 up and down projections. Phi-3 fuses Q, K and V into one matrix and gate and up into another: the same weights.
+
+Mixtures of experts (``MIXTURES_OF_EXPERTS``: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) count the weights a token uses,
+its ACTIVE parameters: a MoE block's MLP is ``E`` gated experts of which the router sends each token to the top
+``k``, so the block counts the router (a matmul of ``E x hidden``, every token), ``k`` experts' gate, up and down
+projections (``k / E`` of the fused 3D ``mlp.experts.*`` parameters), and Qwen2-MoE's shared expert and its
+one-output gate, which every token passes; a layer that ``mlp_only_layers`` or ``decoder_sparse_step`` leaves dense
+counts its dense MLP. A token's share is exact whatever the routing: every token goes to exactly ``k`` experts, so
+the experts' matmuls sum to ``k`` experts' weights per token however unbalanced the load (torch's flop counter on
+the eager expert loop agrees: tests/test_moe_flops.py). Qwen3-30B-A3B: 3.35e9 of its 30.5e9 parameters active.
+This is torchtitan's convention (``get_moe_model_nparams_and_flops``: ``6 x (dense + sparse x top_k / num_experts)``
+with the router and shared experts among the dense weights, ``12 x layers x heads x head_dim x seq_len`` for
+attention), except that torchtitan leaves the embedding table out where a matmul would be its head (we count the
+head, the same matrix when untied, as it does) -- so MFUs of the two compare. Megatron-LM's
+``num_floating_point_operations`` counts the routed (``moe_router_topk x moe_ffn_hidden_size``) and shared experts
+the same way but not the router, and attention's causal half (``seq_len / 2``): at 30B-A3B's shape and 4,096 tokens
+its count is 17.6% below ours (the router alone is 0.3%), so its MFU reads lower for the same run.
+
+Recompute of a MoE block: the experts' outputs are scaled by the routing weights, whose gradient needs those outputs,
+so checkpointing's early stop has nothing left to skip: a MoE block's forward runs again whole, its down projections
+included (``last_weights`` is 0 for it; the count of torch's flop counter agrees).
 """
 
 from __future__ import annotations
@@ -36,10 +56,14 @@ from transformers import PretrainedConfig
 
 #: Llama-like decoders: every field ``matmul_shape`` reads has the same name and meaning in their configs.
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")
+#: The dense families (tests/test_flops_architectures.py counts each with torch's flop counter).
 SUPPORTED = ("gpt2", *LLAMA_LIKE)
+#: Mixtures of experts with Llama-like attention and fused 3D experts (``mlp.experts.gate_up_proj``, ``down_proj``);
+#: ``config.num_experts`` and ``num_experts_per_tok`` name E and k in all four (Mixtral's through its attribute map)
+MIXTURES_OF_EXPERTS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # Their attention applies ``config.sliding_window`` to every layer (and ignores ``layer_types``); the others window
 # only the layers ``layer_types`` marks "sliding_attention" (transformers >= 4.53 sets it from the config).
-_EVERY_LAYER_WINDOWED = ("mistral", "phi3")
+_EVERY_LAYER_WINDOWED = ("mistral", "phi3", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -47,11 +71,28 @@ class MatmulShape:
     """What the FLOP count needs from a decoder-only transformer's config."""
 
     layers: int
-    block_weights: int  # weights of the matrices in one block
+    block_weights: int  # weights of the matrices in one block a token uses (a MoE block's: active, above)
     attention_width: int  # query heads x head_dim: the inner size of QK^T and of AV
     head_weights: int  # the LM head: vocab x hidden
-    last_weights: int  # the block's last matrix (the MLP's down projection), not recomputed by checkpointing
+    last_weights: int  # the block's last matrix (the MLP's down projection), not recomputed by checkpointing; 0: MoE
     windows: tuple[int | None, ...] = ()  # each layer's attention window; None (or none given): every earlier key
+    # where blocks differ (a MoE with dense layers), each block's (block_weights, last_weights); empty: all the above
+    varied: tuple[tuple[int, int], ...] = ()
+    # What a token's MLP holds for the backward (offload.activation_plan.block_activation_bytes), the widest block's:
+    # its inner width (a dense MLP's intermediate; a MoE block's k x the expert's, plus a shared expert's), the copies
+    # of its hidden state the experts take (k; 0: dense) and the router's logits (E; 0: dense)
+    mlp_width: int = 0
+    routed_copies: int = 0
+    router_logits: int = 0
+
+    def each_block(self) -> list[tuple[int, int]]:
+        """Each block's (weights a token uses, weights of its last matrix)."""
+        return list(self.varied) or [(self.block_weights, self.last_weights)] * self.layers
+
+    @property
+    def blocks_weights(self) -> int:
+        """The weights a token uses in all the blocks."""
+        return sum(weights for weights, _ in self.each_block())
 
     def keys(self, seq_len: int) -> list[int]:
         """The keys each layer's queries are counted against: ``seq_len``, or the layer's window where shorter."""
@@ -71,48 +112,85 @@ def attention_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
     return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
+def _attention(config: PretrainedConfig) -> tuple[int, int]:
+    """(weights, width) of a Llama-like attention: q_proj and o_proj at heads x head_dim, k_proj and v_proj at the
+    grouped (GQA) width; head_dim explicit where it differs from hidden / heads (Gemma 2, Qwen 3), Phi-3 has none."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim, heads * head_dim
+
+
+def sparse_layers(config: PretrainedConfig) -> list[bool]:
+    """Which blocks of a mixture of experts hold experts, as the Hugging Face model builds them: Qwen2/3-MoE's
+    ``mlp_only_layers`` and ``decoder_sparse_step`` leave some dense; Mixtral's and OLMoE's are all sparse."""
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    return [layer not in dense and (layer + 1) % step == 0 for layer in range(config.num_hidden_layers)]
+
+
+def _moe_shape(config: PretrainedConfig) -> MatmulShape:
+    """A mixture of experts' blocks by the weights a token uses (the module docstring)."""
+    hidden, experts, k = config.hidden_size, config.num_experts, config.num_experts_per_tok
+    attention, width = _attention(config)
+    expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # Mixtral, OLMoE: one name
+    shared = getattr(config, "shared_expert_intermediate_size", None) or 0  # Qwen2-MoE
+    # the router, k gated experts, and a shared gated expert with its one-output gate; all of it recomputed (above)
+    sparse = (attention + experts * hidden + 3 * hidden * k * expert
+              + (3 * hidden * shared + hidden if shared else 0), 0)
+    dense = (attention + 3 * hidden * config.intermediate_size, config.intermediate_size * hidden)
+    blocks = [sparse if is_sparse else dense for is_sparse in sparse_layers(config)]
+    widths = [k * expert + shared if is_sparse else config.intermediate_size for is_sparse in sparse_layers(config)]
+    weights, last = max(blocks)
+    return MatmulShape(config.num_hidden_layers, weights, width, config.vocab_size * hidden, last,
+                       attention_windows(config), tuple(blocks) if len(set(blocks)) > 1 else (),
+                       max(widths), k, experts)
+
+
 def matmul_shape(config: PretrainedConfig) -> MatmulShape:
-    """The matmul sizes of a GPT-2 or Llama-like config (``SUPPORTED``)."""
+    """The matmul sizes of a GPT-2, Llama-like or mixture-of-experts config (``SUPPORTED``, ``MIXTURES_OF_EXPERTS``)."""
     if config.model_type == "gpt2":
         hidden = config.n_embd
         inner = config.n_inner or 4 * hidden
         # c_attn (Q, K, V) and c_proj, then the MLP's c_fc and c_proj.
         block = 3 * hidden * hidden + hidden * hidden + 2 * hidden * inner
-        return MatmulShape(config.n_layer, block, hidden, config.vocab_size * hidden, inner * hidden)
+        return MatmulShape(config.n_layer, block, hidden, config.vocab_size * hidden, inner * hidden, mlp_width=inner)
     if config.model_type in LLAMA_LIKE:
         hidden = config.hidden_size
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        # explicit where it differs from hidden / heads (Gemma 2, Qwen 3); Phi-3's config has none
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        # q_proj and o_proj at full width, k_proj and v_proj at the grouped (GQA) width; the gated
-        # MLP has three matrices (gate, up, down). Phi-3's qkv_proj and gate_up_proj hold the same weights.
-        attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        # the gated MLP has three matrices (gate, up, down). Phi-3's qkv_proj and gate_up_proj hold the same weights.
+        attention, width = _attention(config)
         block = attention + 3 * hidden * config.intermediate_size
-        width, down = heads * head_dim, config.intermediate_size * hidden
+        down = config.intermediate_size * hidden
         return MatmulShape(config.num_hidden_layers, block, width, config.vocab_size * hidden, down,
-                           attention_windows(config))
+                           attention_windows(config), mlp_width=config.intermediate_size)
+    if config.model_type in MIXTURES_OF_EXPERTS:
+        return _moe_shape(config)
     raise ValueError(
-        f"no analytic FLOP count for model_type {config.model_type!r}; supported: {', '.join(SUPPORTED)} "
-        "(another family needs its matrices in lit_fsdp.flops.matmul_shape)"
+        f"no analytic FLOP count for model_type {config.model_type!r}; supported: {', '.join(SUPPORTED)}, and the "
+        f"mixtures of experts {', '.join(MIXTURES_OF_EXPERTS)} (another family needs its matrices in "
+        "lit_fsdp.flops.matmul_shape)"
     )
 
 
-def flops_per_token(config: PretrainedConfig, seq_len: int, trained: int | None = None, trained_matrices: int = 0) -> int:
+def flops_per_token(config: PretrainedConfig, seq_len: int, trained: int | None = None, trained_matrices: int = 0,
+                    routed_adapters: int = 0) -> int:
     """Training (forward + backward) FLOPs per token at sequence length ``seq_len``, without recompute.
 
     ``trained``: the weights that get gradients where the rest is frozen (LoRA's adapters); None, every weight. A
     frozen matrix costs ``2n`` forward and ``2n`` for its input's gradient, but no weight gradient: ``4n``, and each
     trained adapter weight ``6``. ``trained_matrices``: the weights of the base's matrices trained beside the adapters
     (``lit_fsdp.lora.trained_matrices``: the head, when tied to trained embeddings), ``2`` more each for their weight
-    gradient; trained embeddings and norms cost no matmul.
+    gradient; trained embeddings and norms cost no matmul. ``routed_adapters``: of ``trained``, the adapters of a
+    mixture's routed experts (LoRA's ``target_parameters`` on ``mlp.experts.*``), which a token uses at ``k / E``
+    as it does their experts.
     """
     shape = matmul_shape(config)
-    weights = shape.layers * shape.block_weights + shape.head_weights
+    weights = shape.blocks_weights + shape.head_weights
     attention = 12 * shape.attention_width * sum(shape.keys(seq_len))
     if trained is None:
         return 6 * weights + attention
-    return 4 * weights + 6 * trained + 2 * trained_matrices + attention
+    idle = routed_adapters - routed_adapters * shape.routed_copies // shape.router_logits if routed_adapters else 0
+    return 4 * weights + 6 * (trained - idle) + 2 * trained_matrices + attention
 
 
 def recomputed_blocks(layers: int, checkpoint_every: int | Sequence[int]) -> list[int]:
@@ -133,10 +211,10 @@ def recompute_flops_per_token(config: PretrainedConfig, seq_len: int, checkpoint
     block's forward again, that matmul included.
     """
     shape = matmul_shape(config)
-    all_keys = shape.keys(seq_len)
-    keys = [all_keys[block] for block in recomputed_blocks(shape.layers, checkpoint_every)]
-    weights = shape.block_weights - (0 if whole_block else shape.last_weights)
-    return len(keys) * 2 * weights + 4 * shape.attention_width * sum(keys)
+    all_keys, blocks = shape.keys(seq_len), shape.each_block()
+    recomputed = recomputed_blocks(shape.layers, checkpoint_every)
+    weights = sum(blocks[block][0] - (0 if whole_block else blocks[block][1]) for block in recomputed)
+    return 2 * weights + 4 * shape.attention_width * sum(all_keys[block] for block in recomputed)
 
 
 def block_matmul_flops_per_token(config: PretrainedConfig, checkpoint_every: int | Sequence[int] = 0,
@@ -146,6 +224,7 @@ def block_matmul_flops_per_token(config: PretrainedConfig, checkpoint_every: int
     last matrix only where ``whole_block``, as in ``recompute_flops_per_token``). Attention's products and the head
     are not in it."""
     shape = matmul_shape(config)
-    again = shape.block_weights - (0 if whole_block else shape.last_weights)
-    recomputed = len(recomputed_blocks(shape.layers, checkpoint_every))
-    return (4 if frozen else 6) * shape.layers * shape.block_weights + 2 * again * recomputed
+    blocks = shape.each_block()
+    again = sum(blocks[block][0] - (0 if whole_block else blocks[block][1])
+                for block in recomputed_blocks(shape.layers, checkpoint_every))
+    return (4 if frozen else 6) * shape.blocks_weights + 2 * again

@@ -44,6 +44,8 @@ DATASET_NAME = re.compile(rf"{_REPO}:(?P<subfolder>[^:]+)")
 #: environment): every rank of a node reads the same commit, and does not ask the Hub again.
 RESOLVED_ENV = "LIT_FSDP_HUB_SNAPSHOTS"
 _TRUE = ("1", "ON", "YES", "TRUE")
+#: The folder lit_fsdp's runs go in (every config's default_root_dir is under it): a name under it is a local path.
+RUNS = "runs"
 
 
 def hub_cache() -> Path:
@@ -111,12 +113,17 @@ def dataset_path(spec: str, flag: str) -> str:
 
 
 def _refuse_missing_folder(spec: str, flag: str) -> None:
-    """A one-line error for a name that is shaped like ``owner/name`` but whose ``owner`` is a local folder
-    (``runs/sft_base`` where ``runs/`` exists): a path the user meant, missing, not a Hub name to look up."""
-    parent = Path(spec).expanduser().parent
-    if parent.is_dir():
-        raise OneLineError(f"{flag} {spec}: no such folder: {parent.resolve()} holds no {Path(spec).name}; check the "
-                           "path (a relative one is read from the folder the command runs in), or make it first")
+    """A one-line error for a name that is shaped like ``owner/name`` but is a local path the user meant, missing, not
+    a Hub name to look up: its ``owner`` is a local folder, or it is under ``runs/``, where lit_fsdp writes its runs
+    and the configs' base folders are made (``runs/sft_base`` on a fresh clone, before ``runs/`` exists)."""
+    path = Path(spec).expanduser()
+    if not path.parent.is_dir() and path.parts[0] != RUNS:
+        return
+    raise OneLineError(f"{flag} {spec}: no such folder {path.absolute()} (a relative path is read from the folder the "
+                       "command runs in); check the path, or make it first: a model folder with its tokenizer is "
+                       f"what `python -m lit_fsdp export RUN/checkpoints/last.ckpt {spec}` writes of a run, as the header "
+                       "of the config naming it says (configs/sft_full.yaml's: train configs/wikipedia.yaml's run, then "
+                       "export it)")
 
 
 def _no_local_folder(spec: str) -> str:

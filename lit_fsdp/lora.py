@@ -8,6 +8,10 @@ work as without adapters; the adapters are ``<module>.lora_A`` and ``<module>.lo
 peft wraps the module instead, moving its weight to ``<module>.base_layer.weight``. Modules named in ``train``
 (peft's ``modules_to_save``) stay trainable whole, in place, under their own names.
 
+A mixture of experts' fused expert tensors (``mlp.experts.gate_up_proj``: experts x out x in, on a module that is
+not a linear layer) are adapted as peft's ``target_parameters`` adapts them: ``lit_fsdp.lora_parameters``, with
+adapters ``<module>.<parameter>_lora_A`` and ``_lora_B`` beside the parameter.
+
 A is initialised as peft does (Kaiming-uniform, a = sqrt(5)) and B with zeros, so a model starts as its base.
 Each module's A is drawn from a generator seeded with the run's seed and the module's name: the same on every
 rank and world size. Dropout masks are drawn the same way, from the key ``seed_dropout`` sets (the run's seed,
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.pytorch_utils import Conv1D
 
+from lit_fsdp import lora_parameters
 from lit_fsdp.errors import OneLineError, RunError
 from lit_fsdp.weights import clean_name, write_shard
 
@@ -43,6 +49,13 @@ DEFAULT_TARGETS: dict[str, list[str]] = {
        for family in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "olmo2")},
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
 }
+#: Mixture-of-experts families whose experts are fused 3D tensors (transformers 5) of the same names.
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+#: Their defaults: the attention's linear layers, and the experts' tensors as ``target_parameters``; the router
+#: (``mlp.gate``) is left as it is, as Unsloth and axolotl leave it.
+DEFAULT_TARGETS.update({family: ["q_proj", "k_proj", "v_proj", "o_proj"] for family in MOE_FAMILIES})
+DEFAULT_TARGET_PARAMETERS: dict[str, list[str]] = {
+    family: ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] for family in MOE_FAMILIES}
 ADAPTERS = ("lora_A", "lora_B")
 #: Words ``train`` accepts beside module names, and the modules they name.
 SHORTCUTS = {"embeddings": "every nn.Embedding", "norms": "every normalisation layer (a class named *Norm)"}
@@ -63,7 +76,11 @@ class LoraConfig:
     targets: list[str] | None = None
     """Linear modules to adapt, by name or name suffix (``q_proj``, ``attn.c_proj``); default: every linear layer of
     attention and MLP (GPT-2: c_attn, c_proj, c_fc; Llama-like: q/k/v/o_proj, gate/up/down_proj; Phi-3: qkv_proj,
-    o_proj, gate_up_proj, down_proj)."""
+    o_proj, gate_up_proj, down_proj; mixtures of experts: q/k/v/o_proj)."""
+    target_parameters: list[str] | None = None
+    """Parameters of modules that are not linear layers to adapt, by name or name suffix, as peft's
+    ``target_parameters`` (``mlp.experts.gate_up_proj``); default: a mixture of experts' expert tensors
+    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), none elsewhere; ``[]``: none. They take no dropout."""
     train: list[str] | None = None
     """Whole modules of the base trained beside the adapters, as peft's modules_to_save: by name or name suffix
     (``[wte, wpe, ln_f]``, ``[embed_tokens, norm]``) or ``embeddings`` (every nn.Embedding) and ``norms`` (every
@@ -76,6 +93,9 @@ class LoraConfig:
         if self.targets is not None and (isinstance(self.targets, str) or not self.targets):
             raise OneLineError(f"--model.lora targets={self.targets!r}: give a list of module names, e.g. [q_proj, v_proj], "
                                "or leave it out for the architecture's defaults")
+        if self.target_parameters is not None and isinstance(self.target_parameters, str):
+            raise OneLineError(f"--model.lora target_parameters={self.target_parameters!r}: give a list of parameter "
+                               "names, e.g. [mlp.experts.gate_up_proj], [] for none, or leave it out for the defaults")
         if self.train is not None and (isinstance(self.train, str) or not self.train):
             raise OneLineError(f"--model.lora train={self.train!r}: give a list of module names, e.g. [embeddings, norms] "
                                "or [wte, ln_f], or leave it out to train the adapters only")
@@ -105,7 +125,7 @@ def target_paths(model: nn.Module, config: LoraConfig) -> list[str]:
     """The paths of the modules ``config`` adapts in ``model``; an unknown name is refused in one line."""
     linear = linear_modules(model)
     kinds = sorted({path.rpartition(".")[2] for path in linear})
-    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    model_type = _model_type(model)
     targets = config.targets
     if targets is None:
         if model_type not in DEFAULT_TARGETS:
@@ -120,6 +140,49 @@ def target_paths(model: nn.Module, config: LoraConfig) -> list[str]:
     return sorted({p for found in paths.values() for p in found}, key=list(linear).index)
 
 
+def _model_type(model: nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+
+
+def parameter_candidates(model: nn.Module) -> list[str]:
+    """The clean paths of the parameters ``target_parameters`` may name, in model order: the 2D and 3D parameters of
+    modules that are not linear layers or embeddings (a mixture of experts' expert tensors and router), not adapters."""
+    adapters = set(lora_parameters.named_adapters(model))
+    paths = [clean_name(f"{path}.{name}" if path else name) for path, module in model.named_modules()
+             if not isinstance(module, (nn.Linear, Conv1D, nn.Embedding))
+             for name, param in module.named_parameters(recurse=False) if param.dim() in (2, 3)]
+    return [path for path in paths if path not in adapters]
+
+
+def target_parameter_paths(model: nn.Module, config: LoraConfig) -> list[str]:
+    """The paths of the parameters ``config`` adapts in ``model`` (peft's ``target_parameters``, matched as peft
+    matches them: the path or a dotted suffix of it); an unknown name, or dropout beside them, is refused in one line."""
+    candidates = parameter_candidates(model)
+    model_type = _model_type(model)
+    names = config.target_parameters
+    if names is None:
+        names = DEFAULT_TARGET_PARAMETERS.get(model_type, [])
+    found = {name: [p for p in candidates if p == name or p.endswith(f".{name}")] for name in names}
+    unknown = [name for name, paths in found.items() if not paths]
+    if unknown:
+        kinds = sorted({re.sub(r"^.*?\.\d+\.", "", path) for path in candidates})  # without the layer's prefix
+        choose = f"choose from {kinds}" if kinds else "it has none (no fused expert tensors): adapt its linear modules with targets"
+        raise OneLineError(f"--model.lora target_parameters {unknown} name no parameter of this {model_type} model "
+                           f"outside its linear modules; {choose}")
+    paths = sorted({p for found_paths in found.values() for p in found_paths}, key=candidates.index)
+    if paths and config.dropout:
+        raise OneLineError(f"--model.lora dropout={config.dropout} with adapters on {model_type}'s parameters "
+                           f"{names}: those adapt a weight, not an input, and take no dropout (nor does peft); set "
+                           "dropout 0, or target_parameters [] to adapt the linear modules alone")
+    return paths
+
+
+def _adapted_owners(model: nn.Module, config: LoraConfig) -> list[str]:
+    """The paths of the modules ``config`` adapts: its linear targets and the owners of its target parameters."""
+    owners = [path.rpartition(".")[0] for path in target_parameter_paths(model, config)]
+    return [*target_paths(model, config), *dict.fromkeys(owners)]
+
+
 def _names_module(name: str, path: str, module: nn.Module) -> bool:
     if name == "embeddings":
         return isinstance(module, nn.Embedding)
@@ -130,11 +193,11 @@ def _names_module(name: str, path: str, module: nn.Module) -> bool:
 
 def train_paths(model: nn.Module, config: LoraConfig, targets: list[str] | None = None) -> list[str]:
     """The paths of the modules ``config.train`` names, trained whole beside the adapters (``targets``: the adapted
-    paths, default ``target_paths``); a head tied to the input embeddings is named by the embeddings' path. A name
+    modules' paths, default those of ``config``); a head tied to the input embeddings is named by the embeddings' path. A name
     that matches no module, or a module that is or holds an adapted one, is refused in one line."""
     if not config.train:
         return []
-    targets = target_paths(model, config) if targets is None else targets
+    targets = _adapted_owners(model, config) if targets is None else targets
     modules = {clean_name(name): module for name, module in model.named_modules()
                if name and next(module.parameters(), None) is not None}
     found = {name: [p for p, m in modules.items() if _names_module(name, p, m)] for name in config.train}
@@ -166,13 +229,16 @@ def _on_meta(model: nn.Module | PretrainedConfig) -> nn.Module:
 
 def adapter_parameters(model: nn.Module | PretrainedConfig, lora: LoraConfig | dict[str, Any] | None) -> int:
     """How many parameters ``attach`` adds to ``model`` (a config is built on the meta device): rank x (in + out) per
-    target module, A and B; 0 without ``lora``."""
+    target module, A and B, and rank x experts x (in + out) per target parameter; 0 without ``lora``."""
     lora = as_config(lora)
     if lora is None:
         return 0
     model = _on_meta(model)
     # in + out whichever way the weight is stored (Linear: out x in, Conv1D: in x out)
-    return sum(lora.rank * sum(model.get_submodule(path).weight.shape) for path in target_paths(model, lora))
+    linear = sum(lora.rank * sum(model.get_submodule(path).weight.shape) for path in target_paths(model, lora))
+    shapes = [lora_parameters.adapter_shapes(model.get_parameter(path), model.get_submodule(path.rpartition(".")[0]),
+                                             lora.rank) for path in target_parameter_paths(model, lora)]
+    return linear + sum(math.prod(a) + math.prod(b) for a, b in shapes)
 
 
 def trained_parameters(model: nn.Module | PretrainedConfig, lora: LoraConfig | dict[str, Any] | None) -> int:
@@ -187,27 +253,31 @@ def trained_parameters(model: nn.Module | PretrainedConfig, lora: LoraConfig | d
 
 
 def trained_matrices(model: nn.Module | PretrainedConfig, lora: LoraConfig | dict[str, Any] | None) -> int:
-    """The weights of the base's matrices (linear layers, the LM head) that ``train`` trains: each costs a weight
-    gradient more than a frozen one (``lit_fsdp.flops``); embedding lookups and norms cost none."""
+    """The weights of the base's matrices (linear layers, the LM head, expert and router tensors) that get a weight
+    gradient: those ``train`` trains, and the expert tensors of ``target_parameters``, whose adapted weight's gradient
+    ``grouped_mm`` computes before it reaches A and B. Each costs a weight gradient more than a frozen one
+    (``lit_fsdp.flops``); embedding lookups and norms cost none. An expert tensor counts all its experts, of which a
+    token computes only the ones it is routed to."""
     lora = as_config(lora)
-    if lora is None or not lora.train:
+    if lora is None:
         return 0
     model = _on_meta(model)
     trained = {id(p) for path in train_paths(model, lora) for p in model.get_submodule(path).parameters()}
-    matrices = {id(m.weight): m.weight.numel() for m in model.modules()
-                if isinstance(m, (nn.Linear, Conv1D)) and id(m.weight) in trained}
-    return sum(matrices.values())
+    trained |= {id(model.get_parameter(path)) for path in target_parameter_paths(model, lora)}
+    matrices = {id(m.weight): m.weight for m in model.modules() if isinstance(m, (nn.Linear, Conv1D))}
+    matrices |= {id(p): p for p in map(model.get_parameter, parameter_candidates(model))}
+    return sum(p.numel() for key, p in matrices.items() if key in trained)
 
 
 # --- adapters on a module ------------------------------------------------------------------------
 
 
 def attach(model: nn.Module, config: LoraConfig, device: torch.device | str | None = None) -> list[str]:
-    """Freeze every parameter of ``model`` but those of the ``train`` modules, give each target module its adapters
-    (on ``device``, default that of its weight: the meta device before sharding) and the forward that adds them;
-    returns the adapted modules' paths."""
-    paths = target_paths(model, config)
-    whole = train_paths(model, config, paths)
+    """Freeze every parameter of ``model`` but those of the ``train`` modules, give each target module and target
+    parameter its adapters (on ``device``, default that of its weight: the meta device before sharding) and the
+    forward that adds them; returns the adapted modules' and parameters' paths."""
+    paths, parameters = target_paths(model, config), target_parameter_paths(model, config)
+    whole = train_paths(model, config, _adapted_owners(model, config))
     for param in model.parameters():
         param.requires_grad_(False)
     for path in whole:
@@ -221,7 +291,10 @@ def attach(model: nn.Module, config: LoraConfig, device: torch.device | str | No
         module.lora_scale, module.lora_dropout = config.scale, config.dropout
         module.lora_path, module.lora_seed = path, None
         module.lora_hook = module.register_forward_hook(_add_adapters)
-    return paths
+    for path in parameters:
+        owner, _, name = path.rpartition(".")
+        lora_parameters.attach(model.get_submodule(owner), name, path, config.rank, config.scale, device)
+    return [*paths, *parameters]
 
 
 def _add_adapters(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
@@ -258,7 +331,7 @@ def adapted(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def adapter_names(model: nn.Module) -> set[str]:
     """The clean parameter names of every adapter: what a Hugging Face base folder does not hold."""
-    return {f"{path}.{name}" for path, _ in adapted(model) for name in ADAPTERS}
+    return {f"{path}.{name}" for path, _ in adapted(model) for name in ADAPTERS} | set(lora_parameters.named_adapters(model))
 
 
 def trained_names(model: nn.Module) -> set[str]:
@@ -268,20 +341,23 @@ def trained_names(model: nn.Module) -> set[str]:
 
 
 def init_adapters(model: nn.Module, seed: int) -> None:
-    """A Kaiming-uniform (a = sqrt(5), as peft), B zeros; each module's A from ``seed`` and its name, written to this
-    rank's shard: the same adapters for every world size."""
+    """A Kaiming-uniform (a = sqrt(5), as peft), B zeros; each A from ``seed`` and its name, written to this rank's
+    shard: the same adapters for every world size."""
+    pairs = [(f"{path}.lora_A", module.lora_A, module.lora_B) for path, module in adapted(model)]
+    pairs += [(f"{path.rpartition('.')[0]}.{name}_lora_A", *lora_parameters.adapters(module, name))
+              for path, module, name in lora_parameters.adapted(model)]
     with torch.no_grad():
-        for path, module in adapted(model):
-            generator = torch.Generator().manual_seed(seed + zlib.crc32(f"{path}.lora_A".encode()))
-            a = torch.empty(module.lora_A.shape)
+        for name, lora_a, lora_b in pairs:
+            generator = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+            a = torch.empty(lora_a.shape)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-            write_shard(module.lora_A, a)
-            write_shard(module.lora_B, torch.zeros(module.lora_B.shape))
+            write_shard(lora_a, a)
+            write_shard(lora_b, torch.zeros(lora_b.shape))
 
 
 def merge(model: nn.Module) -> None:
-    """Fold each module's adapters into its weight (``W + B @ A * scale``; transposed for Conv1D) and remove them:
-    ``model`` is then the plain architecture, as ``transformers`` builds it."""
+    """Fold each module's adapters into its weight (``W + B @ A * scale``; transposed for Conv1D), and each adapted
+    parameter's into it, and remove them: ``model`` is then the plain architecture, as ``transformers`` builds it."""
     with torch.no_grad():
         for _, module in adapted(model):
             delta = (module.lora_B.float() @ module.lora_A.float()) * module.lora_scale
@@ -289,6 +365,7 @@ def merge(model: nn.Module) -> None:
             module.lora_hook.remove()
             for name in (*ADAPTERS, "lora_hook", "lora_scale", "lora_dropout", "lora_path", "lora_seed"):
                 delattr(module, name)
+    lora_parameters.merge(model)
     model.requires_grad_(True)
 
 
@@ -300,7 +377,10 @@ def peft_adapter(model: nn.Module, config: LoraConfig, base: str | None) -> tupl
     modules = adapted(model)
     tensors = {f"base_model.model.{path}.{name}.weight": getattr(module, name).detach().float().contiguous()
                for path, module in modules for name in ADAPTERS}
-    whole = train_paths(model, config, [path for path, _ in modules])
+    peft_names = lora_parameters.peft_names(model)
+    tensors |= {peft_names[name]: param.detach().float().contiguous()
+                for name, param in lora_parameters.named_adapters(model).items()}
+    whole = train_paths(model, config, _adapted_owners(model, config))
     for path in whole:  # peft's keys for modules_to_save: the module's own, without "modules_to_save.default"
         for name, param in model.get_submodule(path).named_parameters():
             tensors[f"base_model.model.{path}.{name}"] = param.detach().float().contiguous()
@@ -310,9 +390,13 @@ def peft_adapter(model: nn.Module, config: LoraConfig, base: str | None) -> tupl
         names = {module: clean_name(name) for name, module in model.named_modules()}
         tensors[f"base_model.model.{names[head]}.weight"] = tensors[f"base_model.model.{names[embeddings]}.weight"].clone()
     targets = config.targets or DEFAULT_TARGETS[model.config.model_type]
+    parameters = config.target_parameters
+    if parameters is None:
+        parameters = DEFAULT_TARGET_PARAMETERS.get(model.config.model_type, [])
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": config.dropout, "target_modules": targets,
+        "target_parameters": parameters or None,
         "bias": "none", "fan_in_fan_out": any(isinstance(m, Conv1D) for _, m in modules),  # Conv1D's weight is in x out
         "init_lora_weights": True, "inference_mode": True,
         # full paths: peft matches modules_to_save by suffix, and "h.1.ln_1" would also match "h.11.ln_1"

@@ -11,13 +11,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from lit_fsdp import float8 as float8_compute
 from lit_fsdp import lora as lora_adapters
+from lit_fsdp import experts_kernel, router
 from lit_fsdp.hub import model_folder
 from lit_fsdp.data.tokenizer import tokenizer_files
 from lit_fsdp.errors import OneLineError, RunError
@@ -108,6 +109,7 @@ class CausalLM(pl.LightningModule):
             with torch.device("meta"):
                 float8_compute.check(float8, AutoModelForCausalLM.from_config(self.hf_config()))
         self.model: torch.nn.Module | None = None
+        self.expert_load: router.ExpertLoad | None = None  # a mixture of experts' tokens per expert (configure_model)
         self.val_loss = MeanMetric()
         self._init_seed = 0
         self._base_record: dict[str, Any] | None = None
@@ -144,6 +146,16 @@ class CausalLM(pl.LightningModule):
             self.model = AutoModelForCausalLM.from_config(config)
         self.model.tie_weights()  # no_init_weights also skips the tying that init_weights does
         self.model.config.use_cache = False
+        experts, top_k = router.expert_count(config), router.experts_per_token(config)
+        self.expert_load = router.ExpertLoad(experts, top_k) if experts and top_k else None
+        if self.expert_load is not None:
+            strategy = self._trainer.strategy if self._trainer is not None else None
+            dtype = getattr(strategy, "param_dtype", None)
+            reason = experts_kernel.fallback(
+                self.model, getattr(strategy, "root_device", self.device), getattr(strategy, "compile_blocks", False),
+                strategy.resolve_dtype(dtype) if dtype is not None and hasattr(strategy, "resolve_dtype") else None)
+            if reason:
+                rank_zero_warn(f"lit_fsdp: {reason}", category=UserWarning)
         if self.hparams.loss_chunk_tokens:
             LossHead.convert(self.model.get_output_embeddings(), self.hparams.loss_chunk_tokens)
         if self.hparams.float8 != "off":  # before LoRA: torchao's swap would drop the adapters' hooks and parameters
@@ -190,15 +202,20 @@ class CausalLM(pl.LightningModule):
 
     # --- steps -----------------------------------------------------------------------------------
 
-    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The mean loss over the batch's target tokens (labels other than -100)."""
+    def _loss(self, batch: dict[str, torch.Tensor], routed: bool = False) -> tuple[torch.Tensor, Any]:
+        """The mean loss over the batch's target tokens (labels other than -100), and the model's outputs; ``routed``:
+        with a mixture of experts' router logits and auxiliary loss (``output_router_logits``)."""
         head = self.model.get_output_embeddings()
-        position_ids = batch.get("position_ids")
+        kwargs = {"position_ids": batch.get("position_ids")}
+        if routed:
+            kwargs["output_router_logits"] = True
         if isinstance(head, LossHead):  # the head returns the loss, inside the model's (FSDP root's) forward
             with head.targets(batch["labels"]):
-                return self(batch["input_ids"], position_ids)
-        logits = self(batch["input_ids"], position_ids)
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+                outputs = self.model(input_ids=batch["input_ids"], **kwargs)
+            return outputs.logits, outputs
+        outputs = self.model(input_ids=batch["input_ids"], **kwargs)
+        loss = F.cross_entropy(outputs.logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+        return loss, outputs
 
     def on_fit_start(self) -> None:
         entropy_rate = getattr(self.trainer.datamodule, "entropy_rate", None)
@@ -217,13 +234,35 @@ class CausalLM(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self._lora is not None and self._lora.dropout:
             self._seed_dropout()
-        loss = self._loss(batch)
+        loss, outputs = self._loss(batch, routed=self.expert_load is not None)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
-        if "step_targets" not in batch:  # every micro-batch holds as many targets: the mean of means is the mean
-            return loss
-        trainer = self.trainer
-        return step_normalised(loss, batch["labels"], batch["step_targets"], trainer.world_size,
-                               trainer.accumulate_grad_batches)
+        if "step_targets" in batch:  # else every micro-batch holds as many targets: the mean of means is the mean
+            trainer = self.trainer
+            loss = step_normalised(loss, batch["labels"], batch["step_targets"], trainer.world_size,
+                                   trainer.accumulate_grad_batches)
+        if self.expert_load is not None:
+            loss = loss + self._router_terms(outputs)
+        return loss
+
+    def summary(self) -> dict[str, Any]:
+        """A mixture of experts' tokens per expert over the run, summed over the ranks, and each layer's load imbalance
+        (largest over mean), for results.jsonl; empty for a dense model. Every rank calls it: it all-reduces."""
+        totals = None if self.expert_load is None else self.expert_load.run_totals()
+        if totals is None:
+            return {}
+        return {"moe_tokens_per_expert": totals.long().tolist(), "moe_imbalance": router.imbalance(totals).tolist()}
+
+    def _router_terms(self, outputs: Any) -> torch.Tensor | float:
+        """Log a mixture of experts' auxiliary loss and each layer's load imbalance; what the model adds to the loss
+        (a micro-batch's mean, as the language-model loss: Lightning and the ranks' average make it the step's)."""
+        self.expert_load.observe(outputs.router_logits)
+        # Rank 0's micro-batch (an all-reduce per figure and step would cost more than it tells); the run's counts,
+        # summed over the ranks, are in results.jsonl.
+        self.log("train/aux_loss", outputs.aux_loss.detach(), sync_dist=False)
+        for layer, value in enumerate(router.imbalance(self.expert_load.last)):
+            self.log(f"moe/imbalance_layer_{layer}", value.float(), sync_dist=False)
+        trained = router.trained_aux_loss(self.model.config, outputs.aux_loss)
+        return 0.0 if trained is None else trained
 
     def _seed_dropout(self) -> None:
         """Key LoRA's dropout masks by the run's seed, the optimizer step, the micro-batch within it and the rank: all
@@ -234,7 +273,7 @@ class CausalLM(pl.LightningModule):
         lora_adapters.seed_dropout(self.model, self._init_seed, step, micro, self.trainer.global_rank)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.val_loss.update(self._loss(batch), weight=target_count(batch["labels"]))
+        self.val_loss.update(self._loss(batch)[0], weight=target_count(batch["labels"]))
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
@@ -297,6 +336,10 @@ class CausalLM(pl.LightningModule):
         reopen_cut_epoch(checkpoint, self._trainer)
 
 
+# transformers' configs that dequantize a checkpoint while loading it, by quant_method.
+_DEQUANTIZE = {"mxfp4": "Mxfp4Config(dequantize=True)", "fp8": "FineGrainedFP8Config(dequantize=True)"}
+
+
 def pretrained_config(path: str, folder: str | None = None) -> PretrainedConfig:
     """The Hugging Face config of the model ``--model.pretrained_path`` names (``path``; ``folder``, where it was
     resolved to, default ``path``), or a one-line error saying what is wrong. A repository's own code is never run."""
@@ -322,6 +365,13 @@ def pretrained_config(path: str, folder: str | None = None) -> PretrainedConfig:
                            f"{transformers.__version__}, and lit_fsdp does not run a repository's own code "
                            "(trust_remote_code stays off); give a model of a type transformers knows, or install a "
                            "transformers that knows it")
+    quantization = fields.get("quantization_config") if isinstance(fields, dict) else None
+    if isinstance(quantization, dict):  # gpt-oss's MXFP4 experts, a GPTQ or FP8 checkpoint: not trainable weights
+        method = quantization.get("quant_method", "quantized")
+        raise OneLineError(f"--model.pretrained_path {path} holds {method} weights (config.json's quantization_config), "
+                           "which lit_fsdp does not train; dequantize it first, e.g. AutoModelForCausalLM.from_pretrained("
+                           f"path, quantization_config={_DEQUANTIZE.get(method, 'its config')}, dtype=torch.bfloat16)"
+                           ".save_pretrained(FOLDER), and give that FOLDER")
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as error:

@@ -74,11 +74,22 @@ def describe(counts: dict[str, int]) -> str:
     return ", ".join(f"{counts[mode]} {words[mode]}" for mode in MODES if counts.get(mode))
 
 
-def block_activation_bytes(hidden: int, intermediate: int, gated: bool, tokens: int, itemsize: int) -> tuple[int, int]:
+#: Bytes a MoE block keeps per routed copy of a token beside its values: the int64 indices of the routing (the top-k
+#: choice, the sort by expert and its inverse), as transformers' experts keep them (tests/test_moe_offload.py)
+ROUTING_INDEX_BYTES = 32
+
+
+def block_activation_bytes(hidden: int, intermediate: int, gated: bool, tokens: int, itemsize: int,
+                           routed_copies: int = 0, router_logits: int = 0) -> tuple[int, int]:
     """(the bytes a block's backward needs when nothing is recomputed, its input's bytes) for ``tokens`` tokens:
     (8h + 2i) values a token, 8h + 4i for a gated MLP (Llama's), the tensors autograd keeps (Korthikanti et al.
-    without dropout masks; SDPA keeps no s x s scores)."""
-    return tokens * (8 * hidden + (4 if gated else 2) * intermediate) * itemsize, tokens * hidden * itemsize
+    without dropout masks; SDPA keeps no s x s scores). A mixture-of-experts block (``routed_copies`` = k experts a
+    token, ``router_logits`` = E): i is k x the expert's width (``lit_fsdp.flops.MatmulShape.mlp_width``), and each
+    of the k copies of a token also keeps the hidden state sent to its expert and the expert's output (2kh values,
+    the latter for the routing weight's gradient) and its indices; the router's probabilities are float32."""
+    values = 8 * hidden + (4 if gated else 2) * intermediate + 2 * routed_copies * hidden
+    moe = routed_copies * ROUTING_INDEX_BYTES + router_logits * 4
+    return tokens * (values * itemsize + moe), tokens * hidden * itemsize
 
 
 @dataclass(frozen=True)

@@ -312,10 +312,10 @@ def saved_activation_bytes(config: Any, tokens: int, compute_dtype: torch.dtype)
     """(a block's saved activations, its input) in bytes for ``tokens`` tokens of the Hugging Face ``config``."""
     from lit_fsdp.flops import matmul_shape
 
-    hidden = config.hidden_size
-    gated = config.model_type != "gpt2"  # the Llama-like families' MLPs are gated
-    return block_activation_bytes(hidden, matmul_shape(config).last_weights // hidden, gated, tokens,
-                                  compute_dtype.itemsize)
+    shape = matmul_shape(config)
+    gated = config.model_type != "gpt2"  # the Llama-like families' MLPs and every expert are gated
+    return block_activation_bytes(config.hidden_size, shape.mlp_width, gated, tokens, compute_dtype.itemsize,
+                                  shape.routed_copies, shape.router_logits)
 
 
 #: Of the device memory free once the window and the root are placed, the share activations may take: the rest is

@@ -237,11 +237,11 @@ class CPUStrategy(FSDP2Strategy):
 
 def sharded_model(rank: int, world: int, mesh: DeviceMesh, sharding: str = "FULL_SHARD",
                   compression: CompressionConfig | None = None, preset: str = "gpt2-tiny", lora: dict | None = None,
-                  **strategy_args: Any) -> tuple[CausalLM, CPUStrategy]:
-    """``preset`` (seed 0, with ``lora``'s adapters) sharded, initialised and given its comm hooks by
-    ``FSDP2Strategy.place``, as in a run."""
+                  pretrained_path: str | None = None, **strategy_args: Any) -> tuple[CausalLM, CPUStrategy]:
+    """``preset`` or the folder ``pretrained_path`` (seed 0, with ``lora``'s adapters) sharded, initialised and given
+    its comm hooks by ``FSDP2Strategy.place``, as in a run."""
     torch.manual_seed(0)
-    module = CausalLM(preset=preset, lora=lora)
+    module = CausalLM(preset=preset, pretrained_path=pretrained_path, lora=lora)
     module.configure_model()
     strategy = CPUStrategy(sharding=sharding, compression=compression, **{"param_dtype": "float32", **strategy_args})
     strategy._device_mesh = mesh

@@ -40,6 +40,8 @@ DILOCO = ["--trainer.strategy.init_args.sharding", "NO_SHARD", "--trainer.strate
 # name: (compression arguments, steps of the whole run, steps after which a resumed run starts)
 CASES = {
     "none": ([], 6, (3,)),
+    # a mixture of experts: its router, load-balancing loss and fused 3D expert tensors
+    "moe": (["--model.preset", "qwen3-moe-tiny"], 6, (3,)),
     "topk+ef": (configured("topk"), 6, (3,)),
     "int8+ef": ([KNOB, "{method: int8, num_bits: 2, error_feedback: true}"], 6, (3,)),  # a quantiser's residuals
     "randomk+ef": (configured("randomk_ef"), 6, (3,)),

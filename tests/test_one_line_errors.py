@@ -18,7 +18,7 @@ from lit_fsdp.commands.main import main
 from lit_fsdp.data.tokenizer import train_bpe
 from lit_fsdp.presets import build_config
 from tests.corpus import articles, write_lines
-from tests.helpers import FAST, REPO, SFT_SAMPLES, run_cli
+from tests.helpers import FAST, REPO, SFT_SAMPLES, cli_in_process, run_cli, save_sft_base
 
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
@@ -118,10 +118,13 @@ def test_estimate_validates_the_compression_settings_as_fit_does(capsys):
     assert exit_info.value.code == 2 and len(errors) == 1 and "ratio=2.0 is not a fraction in (0, 1]" in errors[0], errors
 
 
-@pytest.mark.parametrize("runs_folder", [True, False], ids=["its-parent-exists", "no-parent"])
-def test_a_missing_base_folder_is_said_to_be_missing_not_a_hub_problem(tmp_path, monkeypatch, capsys, runs_folder):
-    """configs/sft_lora.yaml before runs/sft_base is made: the folder is named missing; where ``runs/`` itself is
-    missing the name could be a Hub repository, so the Hub is mentioned, after the folder."""
+@pytest.mark.parametrize(("runs_folder", "base"), [(True, "runs/sft_base"), (False, "runs/sft_base"), (False, "owner/base")],
+                         ids=["its-parent-exists", "fresh-clone", "a-hub-name"])
+def test_a_missing_base_folder_is_said_to_be_missing_with_how_to_make_it(tmp_path, monkeypatch, capsys, runs_folder,
+                                                                         base):
+    """configs/sft_lora.yaml before runs/sft_base is made (on a fresh clone runs/ is missing too): the folder is named
+    missing, with the export the configs' headers give, and the Hub is not asked; a name outside runs/ whose owner is
+    no folder could be a Hub repository, so the Hub is asked, and its failure mentioned after the folder."""
     def unreachable(*args, **kwargs):
         raise LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not known")
 
@@ -132,16 +135,55 @@ def test_a_missing_base_folder_is_said_to_be_missing_not_a_hub_problem(tmp_path,
         (tmp_path / "runs").mkdir()
     with pytest.raises(SystemExit) as exit:
         main(["fit", "--config", str(REPO / "configs" / "sft_lora.yaml"), "--trainer.devices", "1",
+              "--model.pretrained_path", base,
               "--data.init_args.train_path", str(SFT_SAMPLES / "train.jsonl"),
               "--data.init_args.val_path", str(SFT_SAMPLES / "val.jsonl")])
     line = one_error_line(capsys.readouterr().err)
     assert exit.value.code == 2
-    if runs_folder:
-        assert f"--model.pretrained_path runs/sft_base: no such folder: {tmp_path.resolve() / 'runs'} holds no " \
-               "sft_base" in line and "Hub" not in line, line
+    if base.startswith("runs/"):
+        assert f"--model.pretrained_path {base}: no such folder {Path.cwd() / base} " in line, line
+        assert f"`python -m lit_fsdp export RUN/checkpoints/last.ckpt {base}`" in line, line
+        assert "configs/sft_full.yaml's: train configs/wikipedia.yaml's run, then export it" in line, line
+        assert "Hub" not in line and "hf download" not in line, line
     else:
-        assert f"--model.pretrained_path runs/sft_base: no folder {tmp_path / 'runs' / 'sft_base'} " in line, line
-        assert "the Hub, where runs/sft_base would name a model, cannot be reached" in line, line
+        assert f"--model.pretrained_path {base}: no folder {tmp_path / base} " in line, line
+        assert f"the Hub, where {base} would name a model, cannot be reached" in line, line
+
+
+def sft_lora(tmp_path: Path, base: Path, train: Path = SFT_SAMPLES / "train.jsonl", *args: str) -> list[str]:
+    """``fit`` of configs/sft_lora.yaml on ``base`` and ``train``, its run and caches in ``tmp_path``."""
+    return ["fit", "--config", str(REPO / "configs" / "sft_lora.yaml"), "--model.pretrained_path", str(base),
+            "--data.init_args.train_path", str(train), "--data.init_args.val_path", str(SFT_SAMPLES / "val.jsonl"),
+            "--data.init_args.cache_dir", str(tmp_path / "cache"), "--trainer.default_root_dir", str(tmp_path / "run"),
+            *args]
+
+
+def test_a_base_folder_without_a_tokenizer_is_named_before_the_data_is_blamed(tmp_path):
+    """What ``export`` writes of the quickstart, which trains on token ids: a config and weights, no tokenizer, from
+    which transformers builds a tokenizer of no tokens, so that every sample would look too long for --data.seq_len."""
+    base = tmp_path / "quickstart_export"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(build_config("gpt2-tiny")).save_pretrained(base)
+    result = cli_in_process(*sft_lora(tmp_path, base), cwd=tmp_path)
+    line = one_error_line(result.stderr)
+    assert result.returncode == 2 and f"--model.pretrained_path {base}: the base folder has no tokenizer" in line, line
+    assert "configs/wikipedia.yaml's" in line and "--data.tokenizer_path" in line and "target" not in line, line
+
+
+def test_a_malformed_sample_line_is_said_once_whole_before_any_process_or_wandb_run_starts(tmp_path):
+    """Line 21 holds a raw tab inside a string: the launcher reads the file in its preflight (cli_in_process stops
+    at Trainer.fit, before Lightning starts the second process), so the line is said once, with the decoder's
+    position, and no W&B run is made."""
+    lines = (SFT_SAMPLES / "train.jsonl").read_text().splitlines()[:40]
+    lines[20] = '{"prompt": "reverse:\ta b", "completion": "b a"}'
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(lines) + "\n")
+    result = cli_in_process(*sft_lora(tmp_path, save_sft_base(tmp_path / "base"), train), cwd=tmp_path)
+    line = one_error_line(result.stderr)
+    assert result.returncode == 2 and line.startswith(
+        f"lit_fsdp: error: {train}: line 21 is not JSON (Invalid control character at: line 1 column 21 (char 20)); "
+        "JSON Lines needs one sample object per line"), line
+    assert not (tmp_path / "run").exists()  # no W&B files, no config: nothing of a run
 
 
 def test_more_cpu_processes_than_cores_is_one_warning_line_saying_why_it_is_slower(tmp_path, monkeypatch, caplog):

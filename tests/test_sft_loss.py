@@ -72,7 +72,7 @@ def step_gradients(module: CausalLM, micro_batches_per_rank: list[list[dict[str,
     for rank_batches in micro_batches_per_rank:
         module.model.zero_grad()
         for batch in rank_batches:
-            mean = module._loss(batch)
+            mean = module._loss(batch)[0]
             loss = step_normalised(mean, batch["labels"], torch.tensor([step_targets]), world, accumulation)
             (loss / accumulation).backward()
         for name, param in module.model.named_parameters():

@@ -188,6 +188,9 @@ class LitFsdpCLI(LightningCLI):
         if self.subcommand == "fit" and not self.trainer.fast_dev_run:  # only fit saves checkpoints, not a dev run
             checkpoints.check_space(self.trainer, self.model.hf_config(self.datamodule), self.model.hparams.get("lora"))
         self._resolve_checkpoint()
+        # Last, as the slowest check (a first run tokenises the data): in the launching process, a bad data file is
+        # said once, before the other processes start or a W&B run is made.
+        self.datamodule.read_before_launch(self.model, self.trainer.local_rank)
         # W&B's name is the results.jsonl record's; a tag per method makes runs easy to filter.
         self.trainer.loggers = without_broken_wandb(self.trainer.loggers)
         for logger in self.trainer.loggers:

@@ -1,5 +1,6 @@
-"""Unknown keys in ``fit``/``validate`` config files and options, all found before LightningCLI parses, each with
-the nearest valid key: jsonargparse stops at the first and prints its whole usage first."""
+"""Unknown keys in ``fit``/``validate`` config files and options, and values outside an option's choices, all found
+before LightningCLI parses, each with the nearest valid key or choice: jsonargparse stops at the first, and one inside
+a strategy's arguments reaches the user only as "Does not validate against any of the Union subtypes"."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import inspect
 import re
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import yaml
 from jsonargparse import ArgumentParser
@@ -19,19 +20,35 @@ from lit_fsdp.errors import ErrorBlock, error_line
 
 #: Keys every class-typed value takes besides its class's arguments.
 CLASS_KEYS = ("class_path", "init_args", "dict_kwargs")
+#: Where an option's mistake is, in the block.
+COMMAND_LINE = "the command line"
 #: Types whose values hold no keys to check.
 _PLAIN_MODULES = ("builtins", "typing", "collections.abc", "pathlib", "datetime", "types")
 
 
 class UnknownKeysError(ErrorBlock):
-    """Config keys (or options) no parser takes: a short block, one line per key, shown whole."""
+    """Config keys (or options) no parser takes, and values no choice matches: a short block, one line per mistake,
+    shown whole."""
+
+
+class Mistake(NamedTuple):
+    """A key no parser takes (``is_value`` False) or a value outside its key's choices; ``of``: the class whose
+    argument the key is, named after the line (the innermost, for a dataclass inside a strategy's arguments)."""
+
+    line: str
+    is_value: bool = False
+    of: str | None = None
+
+    def __str__(self) -> str:
+        return self.line + (f" (of {self.of})" if self.of else "")
 
 
 def check(parser: ArgumentParser, args: list[str], command: str) -> None:
     """Raise ``UnknownKeysError`` naming every key of every ``--config`` file in ``args`` (and every ``--a.b`` option)
-    that ``parser`` (``command``'s) does not take, with the nearest one that it does."""
+    that ``parser`` (``command``'s) does not take, with the nearest one that it does, and every value outside its
+    key's choices (a ``Literal``), with the nearest choice."""
     classes = _default_classes(parser)
-    unknown: dict[str, list[str]] = {}
+    unknown: dict[str, list[Mistake]] = {}
     for index, arg in enumerate(args):
         if arg == "--config" or arg.startswith("--config="):
             name = arg.split("=", 1)[1] if "=" in arg else (args[index + 1] if index + 1 < len(args) else None)
@@ -46,15 +63,22 @@ def check(parser: ArgumentParser, args: list[str], command: str) -> None:
                 following = args[index + 1] if index + 1 < len(args) else None
                 value = arg.split("=", 1)[1] if "=" in arg else (
                     following if following is not None and not following.startswith("--") else None)
-                unknown.setdefault("the command line", []).extend(
+                unknown.setdefault(COMMAND_LINE, []).extend(
                     _unknown_in(parser, _nested(key, value), "", classes, "--"))
-    unknown = {where: keys for where, keys in unknown.items() if keys}
+    unknown = {where: mistakes for where, mistakes in unknown.items() if mistakes}
     if unknown:
-        count = sum(map(len, unknown.values()))
-        lines = [f"{count} unknown key{'s' if count > 1 else ''} (python -m lit_fsdp {command} --help lists the "
-                 "options):"]
-        for where, keys in unknown.items():
-            lines += [f"  in {where}:"] + [f"    {key}" for key in keys]
+        values = sum(mistake.is_value for mistakes in unknown.values() for mistake in mistakes)
+        keys = sum(map(len, unknown.values())) - values
+        counted = [f"{count} unknown {noun}{'s' if count > 1 else ''}" for count, noun in ((keys, "key"), (values, "value"))
+                   if count]
+        help_line = f"python -m lit_fsdp {command} --help lists the options"
+        if keys + values == 1:  # one mistake: one line
+            ((where, (mistake,)),) = unknown.items()
+            place = "" if where == COMMAND_LINE else f"in {where}: "
+            raise UnknownKeysError(f"{place}{mistake}; {help_line}")
+        lines = [f"{' and '.join(counted)} ({help_line}):"]
+        for where, mistakes in unknown.items():
+            lines += [f"  in {where}:"] + [f"    {mistake}" for mistake in mistakes]
         raise UnknownKeysError("\n".join(lines))
 
 
@@ -76,18 +100,27 @@ def _read(name: str | None) -> Any:
 
 
 def _nested(key: str, value: str | None) -> dict[str, Any]:
-    """``a.b.c`` as ``{a: {b: {c: value}}}``: an option checked as a config's key is."""
+    """``a.b.c`` as ``{a: {b: {c: value}}}``: an option checked as a config's key is; a value written as a YAML
+    mapping (``'{method: int8, num_bits: 4}'``) as that mapping, so its keys are checked too."""
     tree: dict[str, Any] = {}
     node = tree
     *parents, last = key.split(".")
     for part in parents:
         node = node.setdefault(part, {})
-    node[last] = value
+    node[last] = _mapping(value) if value is not None and value.lstrip().startswith("{") else value
     return tree
 
 
+def _mapping(value: str) -> Any:
+    """A command line's ``{...}`` value as YAML reads it; the text itself where it is no YAML (jsonargparse says why)."""
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+
+
 def _unknown_in(parser: ArgumentParser, content: dict[str, Any], prefix: str, classes: dict[str, str],
-                shown: str = "") -> list[str]:
+                shown: str = "") -> list[Mistake]:
     """Each key of ``content`` (under ``prefix``) ``parser`` does not take, as ``key: did you mean KEY?`` (``shown``
     before both: where ``parser`` sits in the whole config); the class a class-typed key holds (``class_path``) is
     remembered in ``classes``, for the configs after this one."""
@@ -109,18 +142,19 @@ def _unknown_in(parser: ArgumentParser, content: dict[str, Any], prefix: str, cl
             siblings = sorted({dest[len(prefix):].split(".")[0] for dest in actions if dest.startswith(prefix)}
                               - {"config", "print_config", "help"})
             near = difflib.get_close_matches(key, siblings, n=1, cutoff=0.8)
-            found.append(f"{shown}{full}: did you mean {shown}{prefix}{near[0]}?" if near else
-                         f"{shown}{full}: no such option" + (f" (options: {', '.join(siblings)})" if
-                                                              len(siblings) <= 6 else ""))
+            found.append(Mistake(f"{shown}{full}: did you mean {shown}{prefix}{near[0]}?" if near else
+                                 f"{shown}{full}: no such option" + (f" (options: {', '.join(siblings)})" if
+                                                                      len(siblings) <= 6 else "")))
     return found
 
 
-def _unknown_in_value(action: Any, value: Any, key: str, classes: dict[str, str], shown: str) -> list[str]:
+def _unknown_in_value(action: Any, value: Any, key: str, classes: dict[str, str], shown: str) -> list[Mistake]:
     """Unknown keys inside the value of a class-typed option (``trainer.strategy``, ``data``, ``model.lora``, each of
-    ``trainer.callbacks``): checked against the class it names, or the one an earlier config or the default named."""
+    ``trainer.callbacks``): checked against the class it names, or the one an earlier config or the default named;
+    the value of an option of named choices (``sharding``), against them."""
     bases = _classes_in(getattr(action, "_typehint", None))
     if not bases:
-        return []
+        return _outside_choices(getattr(action, "_typehint", None), value, f"{shown}{key}")
     if isinstance(value, list):
         return [line for index, item in enumerate(value)
                 for line in _unknown_in_class(bases, item, f"{shown}{key}[{index}]", None)]
@@ -134,7 +168,7 @@ def _unknown_in_value(action: Any, value: Any, key: str, classes: dict[str, str]
     return _unknown_in_class(bases, value, f"{shown}{key}", classes.get(key))
 
 
-def _unknown_in_class(bases: list[type], value: Any, key: str, class_path: str | None) -> list[str]:
+def _unknown_in_class(bases: list[type], value: Any, key: str, class_path: str | None) -> list[Mistake]:
     """Unknown keys of ``value``, a class's ``class_path``/``init_args`` dict (or a dataclass's fields) at ``key``."""
     if not isinstance(value, dict):
         return []
@@ -152,7 +186,24 @@ def _unknown_in_class(bases: list[type], value: Any, key: str, class_path: str |
     init_args = value.get("init_args") if isinstance(value.get("init_args"), dict) else {}
     found = _unknown_in(parser, init_args, "", {}, f"{key}.init_args.") + _unknown_in(parser, arguments, "", {},
                                                                                          f"{key}.")
-    return [f"{line} (of {target.__module__}.{target.__qualname__})" for line in found]
+    return [mistake if mistake.of else mistake._replace(of=f"{target.__module__}.{target.__qualname__}")
+            for mistake in found]
+
+
+def _outside_choices(typehint: Any, value: Any, key: str) -> list[Mistake]:
+    """``value`` of an option typed with named choices (``Literal``, optionally ``Optional``) when it is none of them,
+    with the nearest; a value of any other type is left to jsonargparse."""
+    arguments = typing.get_args(typehint)
+    choices = [arg for arg in arguments if typing.get_origin(typehint) is Literal] or [
+        choice for arg in arguments if typing.get_origin(arg) is Literal for choice in typing.get_args(arg)]
+    if not isinstance(value, str) or not choices or not all(isinstance(choice, str) for choice in choices):
+        return []
+    if value in choices or (type(None) in arguments and value in ("null", "None")):
+        return []
+    near = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+    listed = ", ".join(choices)
+    return [Mistake(f"{key} {value}: did you mean {near[0]}? (choices: {listed})" if near else
+                    f"{key} {value}: not one of {listed}", is_value=True)]
 
 
 def _classes_in(typehint: Any) -> list[type]:

@@ -156,8 +156,12 @@ def export_hf(checkpoint: str, output: str, tokenizer_path: str | None = None, a
         export_adapters(source, meta, out)
         print(f"exported the LoRA adapters of {source} to {out}")
         return out
+    if tokenizer_path is not None and not Path(tokenizer_path).is_dir():
+        raise FileNotFoundError(f"--tokenizer_path {tokenizer_path}: no such folder; give a Hugging Face tokenizer "
+                                "folder, or leave it unset to export the tokenizer the run trained with")
     model = model_from_checkpoint(source, meta, base_path)
     model.save_pretrained(out, safe_serialization=True)
+    no_tokenizer = None
     if tokenizer_path is None and meta.get("tokenizer_files"):
         tokenizer = tokenizer_from_files(meta["tokenizer_files"], source)
         if meta.get("chat_template"):  # a chat fine-tune: apply_chat_template renders prompts as its training did
@@ -167,5 +171,11 @@ def export_hf(checkpoint: str, output: str, tokenizer_path: str | None = None, a
         tokenizer_path = tokenizer_path or meta.get("tokenizer_path")  # an older checkpoint's tokenizer folder
         if tokenizer_path and Path(tokenizer_path).is_dir():
             AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(out)
+        else:
+            no_tokenizer = f"its tokenizer folder {tokenizer_path} is gone" if tokenizer_path else \
+                "this run trained on token ids"
     print(f"exported {source} to {out}")
+    if no_tokenizer:  # the folder loads as a model, but fine-tuning it, generate and evaluate read text
+        print(f"no tokenizer: {no_tokenizer}, so {out} holds none; fine-tuning it, generate and evaluate need one: "
+              "export a run that trained on text, such as configs/wikipedia.yaml's, or give --tokenizer_path FOLDER")
     return out

@@ -101,6 +101,11 @@ class BlockDataModule(pl.LightningDataModule):
     def dataset_name(self) -> str:
         return type(self).__name__
 
+    def read_before_launch(self, module: Any, local_rank: int) -> None:
+        """Read the data files in the process that starts the others (the CLI's preflight; ``module`` the model to be
+        trained), before it starts them or a W&B run, so that a bad file is said once and nothing is left behind;
+        ``setup`` then finds them read. By default nothing: data without files is made in ``setup``."""
+
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer
         if trainer is None:

@@ -124,7 +124,9 @@ def _skip_space(text: str, at: int) -> int:
 
 
 def _reason(error: Exception) -> str:
-    return getattr(error, "msg", None) or str(error).splitlines()[0]
+    """The decoder's whole first line: a ``JSONDecodeError``'s ``msg`` alone ends in "at", its position cut off."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def parse_sample(record: Any, where: str) -> Sample:

@@ -34,7 +34,7 @@ from lit_fsdp.data.chat import ChatRenderer, Sample, parse_sample, read_samples
 from lit_fsdp.data.corpus import Corpus, file_records, is_plain_json, open_corpus
 from lit_fsdp.data.progress import CorpusProgress
 from lit_fsdp.data.token_cache import WAIT_TIMEOUT_S, cache_dir_or_default, cache_key, wait_or_build
-from lit_fsdp.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from lit_fsdp.data.tokenizer import holds_tokenizer, load_tokenizer, tokenizer_fingerprint
 from lit_fsdp.hub import tokenizer_folder
 
 #: Samples rendered and tokenised in one batch while a cache is built.
@@ -364,13 +364,23 @@ class SFTDataModule(BlockDataModule):
         return None if self._tokenizer is None else ChatRenderer(self._tokenizer).template_identity
 
     def setup(self, stage: str) -> None:
+        trainer = self.trainer
+        self._read(None if trainer is None else trainer.lightning_module, 0 if trainer is None else trainer.local_rank)
+
+    def read_before_launch(self, module: Any, local_rank: int) -> None:
+        """The caches built (or found) before the other processes start: a malformed sample, a base folder without a
+        tokenizer or samples without a target are said once, and the ranks find the caches built."""
+        self._read(module, local_rank)
+
+    def _read(self, module: Any, local_rank: int) -> None:
+        """The tokenizer (``module``'s pretrained folder's, unless given) and the training and validation rows, from
+        the caches local rank 0 builds."""
         if hasattr(self, "train_set"):
             return
         if self._tokenizer is None:
-            self._tokenizer = self._model_tokenizer()
+            self._tokenizer = self._model_tokenizer(module)
             self.vocab_size = len(self._tokenizer)
         renderer = ChatRenderer(self._tokenizer)
-        local_rank = 0 if self.trainer is None else self.trainer.local_rank
         train_dir, train_meta = self._cache(self.train_path, renderer, local_rank)
         rows_of = self._rows_of
         if self.val_path is not None:
@@ -389,15 +399,22 @@ class SFTDataModule(BlockDataModule):
         pad_id = self._tokenizer.eos_token_id if pad_id is None else pad_id
         return PackedRows(directory, meta["rows"], self.seq_len, pad_id, first, count)
 
-    def _model_tokenizer(self) -> PreTrainedTokenizerBase:
-        module = None if self.trainer is None else self.trainer.lightning_module
+    def _model_tokenizer(self, module: Any) -> PreTrainedTokenizerBase:
+        """The tokenizer saved in ``module``'s ``--model.pretrained_path``."""
+        given = (getattr(module, "hparams", None) or {}).get("pretrained_path")
         # CausalLM resolved a Hub name to its snapshot folder when it was built; another module's name is resolved here
-        pretrained = getattr(module, "pretrained_folder", None)
-        pretrained = pretrained or (getattr(module, "hparams", None) or {}).get("pretrained_path")
+        pretrained = getattr(module, "pretrained_folder", None) or given
         if pretrained is None:
             raise ValueError("--data.tokenizer_path is not set and there is no --model.pretrained_path to take the "
                              "tokenizer from; give --data.tokenizer_path (a Hugging Face tokenizer folder)")
-        return load_tokenizer(tokenizer_folder(pretrained, "--model.pretrained_path"))
+        folder = tokenizer_folder(pretrained, "--model.pretrained_path")
+        if Path(folder).is_dir() and not holds_tokenizer(folder):  # else AutoTokenizer makes one of no tokens
+            raise ValueError(
+                f"--model.pretrained_path {given or pretrained}: the base folder has no tokenizer (a run trained on "
+                "token ids, as the quickstart's is, exports none), and fine-tuning renders its samples with the base's; "
+                "fine-tune a run that trained on text, such as configs/wikipedia.yaml's, exported (configs/"
+                "sft_full.yaml's header says how), or give --data.tokenizer_path the tokenizer the base was trained with")
+        return load_tokenizer(folder)
 
     def _cache(self, source: Corpus, renderer: ChatRenderer, local_rank: int) -> tuple[Path, dict[str, Any]]:
         settings = {"seq_len": self.seq_len, "packing": self.packing, "too_long": self.too_long,

@@ -16,11 +16,23 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
+#: The files a saved tokenizer's vocabulary is read from, one of which every tokenizer folder holds (save_pretrained's
+#: tokenizer.json, a GPT-2 vocab.json and merges.txt, a sentencepiece model).
+VOCABULARY_FILES = ("tokenizer*", "vocab.*", "merges.txt", "spiece.model")
+
+
+def holds_tokenizer(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a saved tokenizer: a model folder exported without one has only a config and
+    weights, from which ``AutoTokenizer`` still builds a tokenizer, of no tokens."""
+    return any(next(Path(folder).glob(pattern), None) is not None for pattern in VOCABULARY_FILES)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The Hugging Face tokenizer saved in the folder ``path``, read without touching the network or running code the
     folder ships (trust_remote_code stays off; transformers would otherwise ask for it on a terminal)."""
+    if Path(path).is_dir() and not holds_tokenizer(path):
+        raise ValueError(f"{path} holds no tokenizer (none of {', '.join(VOCABULARY_FILES)}); give a folder a "
+                         "Hugging Face tokenizer was saved in")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as error:

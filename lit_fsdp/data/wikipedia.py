@@ -100,9 +100,17 @@ class WikipediaDataModule(BlockDataModule):
         return self.train_path.stem
 
     def setup(self, stage: str) -> None:
+        self._read(0 if self.trainer is None else self.trainer.local_rank)
+
+    def read_before_launch(self, module: Any, local_rank: int) -> None:
+        """The tokenizer and token caches built (or found) before the other processes start: a malformed article is
+        said once, and the ranks find the caches built."""
+        self._read(local_rank)
+
+    def _read(self, local_rank: int) -> None:
+        """The tokenizer and the training and validation blocks, from the caches local rank 0 builds."""
         if hasattr(self, "train_set"):
             return
-        local_rank = 0 if self.trainer is None else self.trainer.local_rank
         self._tokenizer = self._setup_tokenizer(local_rank)
         self.vocab_size = len(self._tokenizer)
         tokens_of = partial(

@@ -1,8 +1,8 @@
 """The memory filter: an analytic estimate of one process's device memory (and a node's host memory) per candidate.
 
-Per process on its device, in bytes (P parameters, Pb in the largest block, Pr outside the blocks, L
-blocks, hidden h, MLP width i, vocabulary V, micro-batch m, sequence s, p bytes per compute value,
-r = 4 bytes per reduced gradient value):
+Per process on its device, in bytes (P parameters, a mixture's every expert among them, Pb in the largest block, Pr
+outside the blocks, L blocks, hidden h, MLP width i, vocabulary V, micro-batch m, sequence s, p bytes per compute
+value, r = 4 bytes per reduced gradient value):
 
 - **model states** (FSDP2): fp32 weights, fp32 gradients and the two AdamW moments, 16 x P, divided by
   the shard group (the world for FULL_SHARD and SHARD_GRAD_OP, world / replicas for HYBRID_SHARD, 1
@@ -18,7 +18,9 @@ r = 4 bytes per reduced gradient value):
   the micro-batches' float32 gradient sum with accumulation on the device (4 x trained / processes per node).
 - **activations**: per block (8h + 2i) x m x s values (8h + 4i for gated MLPs: Llama), the tensors
   autograd keeps (Korthikanti et al. 2022 without dropout masks; attention's s x s scores are not
-  kept by SDPA); a checkpointed block keeps only its input (h x m x s) and one block's activations
+  kept by SDPA); a mixture of experts' block (k of E experts a token) takes i as k x the expert's width and keeps
+  2kh values more a token, the hidden state each expert received and its output, beside the routing's indices and
+  float32 probabilities (``offload.activation_plan.block_activation_bytes``); a checkpointed block keeps only its input (h x m x s) and one block's activations
   come back during its recompute; SlideFSDP's ``activation_offload`` moves the kept inputs to the host.
   LoRA keeps the same tensors (a frozen weight's matmul no longer keeps its input, but the adapter's
   A does: the same tensor) plus per target A's output, rank values a token (Llama-8B, rank 16 on all 7
@@ -93,6 +95,11 @@ class ModelShape:
     root_adapters: int = 0
     adapter_ranks: int = 0
     adapter_dropped: int = 0
+    # a mixture of experts (0 without): the experts a token is routed to (k) and the router's logits (E), for a MoE
+    # block's activations (intermediate is then k x the expert's width); the adapters on routed experts' weights
+    routed_copies: int = 0
+    router_logits: int = 0
+    routed_adapters: int = 0
 
     @classmethod
     def of(cls, config: PretrainedConfig, block_class: str | None = None,
@@ -112,14 +119,16 @@ class ModelShape:
         block_adapters = [sum(p.numel() for p in block.parameters() if p.requires_grad) if lora else 0
                           for _, block in blocks]
         dropped = max(sum(m.lora_A.shape[1] for m in block) for block in modules) if lora and lora.dropout else 0
-        hidden = config.hidden_size
+        shape = matmul_shape(config)
         return cls(
             parameters=parameters, block_parameters=max(in_blocks), root_parameters=parameters - sum(in_blocks),
-            layers=len(blocks), hidden=hidden, intermediate=matmul_shape(config).last_weights // hidden,
+            layers=len(blocks), hidden=config.hidden_size, intermediate=shape.mlp_width,
             vocab=config.vocab_size, gated_mlp=any(gate in name for name, _ in blocks[0][1].named_parameters() for gate in ("gate_proj", "gate_up_proj")),
             adapters=trained, block_adapters=max(block_adapters), root_adapters=trained - sum(block_adapters),
             adapter_ranks=max(sum(m.lora_A.shape[0] for m in block) for block in modules),
-            adapter_dropped=dropped,
+            adapter_dropped=dropped, routed_copies=shape.routed_copies, router_logits=shape.router_logits,
+            routed_adapters=sum(p.numel() for name, p in network.named_parameters()
+                                if lora and p.requires_grad and ".experts." in name),
         )
 
     @property
@@ -178,7 +187,8 @@ def compute_dtype(candidate: Candidate, accelerator: str) -> torch.dtype:
 def activation_bytes(candidate: Candidate, model: ModelShape, run: RunShape, p: int) -> tuple[int, int]:
     """(bytes kept on the device, checkpointed inputs moved to the host by this process)."""
     tokens = candidate.micro_batch * run.seq_len
-    per_block, block_input = block_activation_bytes(model.hidden, model.intermediate, model.gated_mlp, tokens, p)
+    per_block, block_input = block_activation_bytes(model.hidden, model.intermediate, model.gated_mlp, tokens, p,
+                                                    model.routed_copies, model.router_logits)
     per_block += tokens * (model.adapter_ranks * p + model.adapter_dropped * (p + 1))  # LoRA; a dropout mask: 1 byte
     # SlideFSDP's auto plan recomputes what the device cannot keep: at most what recomputing every block keeps
     every = 1 if candidate.strategy == "slide_fsdp" and candidate.activation_plan == "auto" else candidate.activation_checkpointing
