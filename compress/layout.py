@@ -58,6 +58,38 @@ class ParamPlace:
     def local_shape(self) -> torch.Size:
         return torch.Size([self.stop_row - self.start_row, *self.shape[1:]])
 
+    @property
+    def stacked(self) -> bool:
+        """Whether the parameter is a stack of matrices, one per row: three or more dimensions, as a mixture-of-experts
+        layer's fused experts (``mlp.experts.gate_up_proj``: experts x out x in). Low-rank methods compress each."""
+        return len(self.shape) >= 3
+
+    @property
+    def matrix(self) -> tuple[int, int]:
+        """The shape of the matrices low-rank methods see: a row of a stacked parameter (``shape[1]`` x the rest),
+        otherwise the whole parameter (``rows x cols``)."""
+        return (self.shape[1], math.prod(self.shape[2:])) if self.stacked else (self.rows, self.cols)
+
+    def rows_on(self, rank: int) -> range:
+        """The rows rank ``rank`` holds (empty past the last row)."""
+        start = min(self.rows, rank * self.chunk_rows)
+        return range(start, min(self.rows, start + self.chunk_rows))
+
+
+@dataclass(frozen=True)
+class MatrixStack:
+    """``count`` matrices of ``rows x cols`` one after another from element ``offset`` of a flat chunk: a stacked
+    parameter's rows in one rank's shard, which low-rank methods compress one by one."""
+
+    offset: int
+    count: int
+    rows: int
+    cols: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.count * self.rows * self.cols
+
 
 @dataclass
 class UnitLayout:
@@ -103,6 +135,11 @@ class UnitLayout:
             buffer[p.full_offset + p.start_row * p.cols : p.full_offset + p.stop_row * p.cols].view(p.local_shape)
             for p in self.places
         ]
+
+    def stacks(self, rank: int) -> tuple[MatrixStack, ...]:
+        """The stacked parameters' matrices in rank ``rank``'s shard, where they lie in it (padding rows left out)."""
+        return tuple(MatrixStack(p.shard_offset, len(p.rows_on(rank)), *p.matrix)
+                     for p in self.places if p.stacked and p.rows_on(rank))
 
     # --- between layouts -------------------------------------------------------------------------
 

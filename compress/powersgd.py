@@ -1,7 +1,8 @@
 """PowerSGD (Vogels et al., 2019) as FSDP2 communication hooks: rank-r gradients with a shared Q, error feedback, warm start.
 
-Per parameter matrix M (the gradient viewed as ``rows x rest``, as torch's ``powerSGD_hook`` does),
-every rank starts from the same Q (seeded by the unit's name and the parameter's index, then warm
+Per parameter matrix M (the gradient viewed as ``rows x rest``, as torch's ``powerSGD_hook`` does; a stacked
+parameter, three or more dimensions as a mixture-of-experts layer's fused experts, one matrix per row: E experts
+are E matrices of ``shape[1] x rest``, each with its own P and Q), every rank starts from the same Q (seeded by the unit's name and the parameter's index, then warm
 started from the last step), and:
 
 1. P = M Q, summed over ranks with the native all-reduce, then orthonormalised;
@@ -15,7 +16,8 @@ to gain ``min_compression`` times, are averaged uncompressed in one all-reduce. 
 
 Under FSDP2 the reduce-scatter input is the unit's flat gradient, each parameter padded to a
 multiple of the world size in rows and chunked by rank (``compress.layout``); a parameter's full
-gradient is then a (world, chunk_rows, cols) view of it, used in place (zero padding rows change nothing).
+gradient is then a (world, chunk_rows, cols) view of it (zero padding rows change no product; a stacked
+parameter's padding rows are left out, so they cost no P or Q).
 """
 
 from __future__ import annotations
@@ -76,31 +78,33 @@ class PowerSGD(Residuals):
         rank = min(rows, cols, self.rank)
         return rank if rows * cols >= (rows + cols) * rank * self.min_compression else 0
 
-    def initial_q(self, key: str, cols: int, rank: int, device: torch.device) -> torch.Tensor:
-        """A random Q the same on every rank: seeded by the matrix's key, orthonormalised."""
+    def initial_q(self, key: str, count: int, cols: int, rank: int, device: torch.device) -> torch.Tensor:
+        """Random Qs (``count x cols x rank``) the same on every rank: seeded by the stack's key, orthonormalised."""
         generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
         # drawn on the host: every device draws the same Q; the copy does not wait for the device
-        return orthonormal(torch.randn(cols, rank, generator=generator).to(device, non_blocking=True))
+        return orthonormal(torch.randn(count, cols, rank, generator=generator).to(device, non_blocking=True))
 
     # --- the reduction ---------------------------------------------------------------------------
 
-    def average(self, views: list[torch.Tensor], keys: list[str], group: dist.ProcessGroup, stats: CommStats) -> list[torch.Tensor]:
-        """The rank average of each ``views[i]`` (shaped ``(blocks, rows, cols)``, rows of all blocks = the matrix).
+    def average(self, stacks: list[torch.Tensor], keys: list[str], group: dist.ProcessGroup, stats: CommStats) -> list[torch.Tensor]:
+        """The rank average of each ``stacks[i]``, a stack of matrices shaped ``(count, rows, cols)`` (count 1 for a
+        weight matrix, the experts for a stacked parameter: ``as_matrices``), each compressed on its own.
 
         Returns float32 tensors of the same shapes; updates the warm starts and residuals under ``keys``.
         Its time outside the all-reduces (products, orthonormalisation, residuals) is counted as ``compress_s``.
         """
-        with stats.clock.time("compress_s", views[0].device if views else torch.device("cpu")):
-            results = self._average(views, keys, group, stats)
+        with stats.clock.time("compress_s", stacks[0].device if stacks else torch.device("cpu")):
+            results = self._average(stacks, keys, group, stats)
         return results
 
-    def _average(self, views: list[torch.Tensor], keys: list[str], group: dist.ProcessGroup, stats: CommStats) -> list[torch.Tensor]:
+    def _average(self, stacks: list[torch.Tensor], keys: list[str], group: dist.ProcessGroup, stats: CommStats) -> list[torch.Tensor]:
         world = group.size()
         corrected = []
-        for view, key in zip(views, keys):
+        for stack, key in zip(stacks, keys):
             residual = self.residuals.get(key)
-            corrected.append(view.float() if residual is None else view.float() + residual)
-        low_rank = [i for i, m in enumerate(corrected) if self.matrix_rank(m.shape[0] * m.shape[1], m.shape[2])]
+            # view_as: a checkpoint from before stacks kept a weight's residual as (world, chunk_rows, cols)
+            corrected.append(stack.float() if residual is None else stack.float() + residual.view_as(stack))
+        low_rank = [i for i, m in enumerate(corrected) if self.matrix_rank(m.shape[1], m.shape[2])]
         dense = [i for i in range(len(corrected)) if i not in low_rank]
         results: list[torch.Tensor | None] = [None] * len(corrected)
 
@@ -114,15 +118,16 @@ class PowerSGD(Residuals):
                 offset += corrected[i].numel()
 
         if low_rank:
-            ranks = {i: self.matrix_rank(corrected[i].shape[0] * corrected[i].shape[1], corrected[i].shape[2]) for i in low_rank}
+            ranks = {i: self.matrix_rank(corrected[i].shape[1], corrected[i].shape[2]) for i in low_rank}
             qs = {}
             for i in low_rank:
                 q = self.q.get(keys[i])
-                cols = corrected[i].shape[2]
-                qs[i] = orthonormal(q) if q is not None and q.shape == (cols, ranks[i]) else self.initial_q(
-                    keys[i], cols, ranks[i], corrected[i].device)
+                count, _, cols = corrected[i].shape
+                # a checkpoint from before stacks kept a weight's Q as (cols, rank): the same values
+                qs[i] = orthonormal(q.view(count, cols, ranks[i])) if q is not None and q.numel() == count * cols * ranks[i] \
+                    else self.initial_q(keys[i], count, cols, ranks[i], corrected[i].device)
             # P = M Q for every matrix, summed over ranks in one all-reduce, then orthonormalised
-            ps = {i: torch.matmul(corrected[i], qs[i]).reshape(-1, ranks[i]) for i in low_rank}
+            ps = {i: torch.matmul(corrected[i], qs[i]) for i in low_rank}
             packed = torch.cat([ps[i].reshape(-1) for i in low_rank])
             _all_reduce(packed, group, stats)
             offset = 0
@@ -131,8 +136,7 @@ class PowerSGD(Residuals):
                 offset += ps[i].numel()
             # Q = Mᵀ P, summed over ranks in one all-reduce
             for i in low_rank:
-                blocks, rows, _ = corrected[i].shape
-                qs[i] = torch.einsum("brc,brk->ck", corrected[i], ps[i].view(blocks, rows, ranks[i]))
+                qs[i] = torch.matmul(corrected[i].mT, ps[i])
             packed = torch.cat([qs[i].reshape(-1) for i in low_rank])
             _all_reduce(packed, group, stats)
             offset = 0
@@ -140,7 +144,7 @@ class PowerSGD(Residuals):
                 qs[i] = packed[offset : offset + qs[i].numel()].view_as(qs[i])
                 offset += qs[i].numel()
                 self.q[keys[i]] = qs[i]
-                results[i] = (ps[i] @ qs[i].T).view_as(corrected[i]) / world
+                results[i] = torch.matmul(ps[i], qs[i].mT) / world
 
         for key, value, result in zip(keys, corrected, results):
             self.residuals[key] = value - result
@@ -148,8 +152,28 @@ class PowerSGD(Residuals):
 
 
 def orthonormal(matrix: torch.Tensor) -> torch.Tensor:
-    """The columns of ``matrix`` made orthonormal (reduced QR), in float32."""
+    """The columns of ``matrix`` (of each matrix of a stack) made orthonormal (reduced QR), in float32."""
     return torch.linalg.qr(matrix.float()).Q
+
+
+def as_matrices(blocks: torch.Tensor, place: ParamPlace, rows: int) -> torch.Tensor:
+    """``place``'s gradient as the stack of matrices PowerSGD compresses, from ``blocks`` (blocks, chunk_rows, cols):
+    the rows of every block one after another, the first ``rows`` of them the parameter's, the rest padding.
+
+    A weight is one matrix, padding rows included (zero rows change no product); a stacked parameter (a MoE layer's
+    experts) is one matrix per row, its padding rows left out."""
+    if not place.stacked:
+        return blocks.reshape(1, -1, place.cols)
+    return blocks.reshape(-1, *place.matrix)[:rows]
+
+
+def as_blocks(matrices: torch.Tensor, place: ParamPlace, blocks: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``as_matrices``: ``matrices`` in the shape of ``blocks``, padding rows zero."""
+    if not place.stacked:
+        return matrices.view(blocks.shape)
+    out = matrices.new_zeros(blocks.shape)
+    out.view(-1, *place.matrix)[: matrices.shape[0]] = matrices
+    return out
 
 
 def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats) -> None:
@@ -190,13 +214,14 @@ class PowerSGDReduceScatter(ReduceScatter):
         stats.values_sent += input_tensor.numel()  # every element gets a value: density 1
         rows = screen(input_tensor.float(), self.counters).view(world, layout.shard_numel)
         views = [layout.rank_major_view(rows, place) for place in layout.places]
-        averages = self.state.average(views, [self._key(place) for place in layout.places], group, stats)
+        stacks = [as_matrices(view, place, place.rows) for view, place in zip(views, layout.places)]
+        averages = self.state.average(stacks, [self._key(place) for place in layout.places], group, stats)
         if stats.sampling:
-            _sample(self.counters, views, averages, group)
+            _sample(self.counters, stacks, averages, group)
         mine = output_tensor.view(layout.shard_numel)
-        for place, average in zip(layout.places, averages):
+        for place, view, average in zip(layout.places, views, averages):
             mine[place.shard_offset : place.shard_offset + place.chunk_numel].copy_(
-                apply_op(average[rank].reshape(-1), op, world, prescaled=True)
+                apply_op(as_blocks(average, place, view)[rank].reshape(-1), op, world, prescaled=True)
             )
         return None
 
@@ -233,10 +258,12 @@ class PowerSGDAllReduce:
         stats.values_sent += reduce_output.numel()
         flat = screen(reduce_output.float(), self.counters).view(1, layout.shard_numel)
         views = [flat[:, p.shard_offset : p.shard_offset + p.chunk_numel].view(1, p.chunk_rows, p.cols) for p in layout.places]
-        averages = self.state.average(views, [f"{self.name}/{p.names[0]}" for p in layout.places], group, stats)
+        stacks = [as_matrices(view, place, place.stop_row - place.start_row)
+                  for view, place in zip(views, layout.places)]
+        averages = self.state.average(stacks, [f"{self.name}/{p.names[0]}" for p in layout.places], group, stats)
         out = reduce_output.view(-1)
-        for place, average in zip(layout.places, averages):
-            out[place.shard_offset : place.shard_offset + place.chunk_numel].copy_(average.reshape(-1))
+        for place, view, average in zip(layout.places, views, averages):
+            out[place.shard_offset : place.shard_offset + place.chunk_numel].copy_(as_blocks(average, place, view).reshape(-1))
 
 
 def _sample(counters: HookCounters, gradients: list[torch.Tensor], averages: list[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -254,9 +281,9 @@ def compressed_fraction(state: PowerSGD, layout: UnitLayout, world: int) -> floa
     """Values sent over values of the dense gradient, for one reduction of ``layout`` (for docs and tests)."""
     sent = dense = 0
     for place in layout.places:
-        rows, cols = world * place.chunk_rows, place.cols
+        count, (rows, cols) = (place.rows, place.matrix) if place.stacked else (1, (world * place.chunk_rows, place.cols))
         rank = state.matrix_rank(rows, cols)
-        dense += rows * cols
-        sent += (rows + cols) * rank if rank else rows * cols
+        dense += world * place.chunk_rows * place.cols  # as FSDP2 reduce-scatters it, padding rows included
+        sent += count * ((rows + cols) * rank if rank else rows * cols)
     return sent / dense if dense else 1.0
 

@@ -173,24 +173,29 @@ def matmul_shape(config: PretrainedConfig) -> MatmulShape:
 
 
 def flops_per_token(config: PretrainedConfig, seq_len: int, trained: int | None = None, trained_matrices: int = 0,
-                    routed_adapters: int = 0) -> int:
+                    routed_adapters: int = 0, routed_matrices: int = 0) -> int:
     """Training (forward + backward) FLOPs per token at sequence length ``seq_len``, without recompute.
 
     ``trained``: the weights that get gradients where the rest is frozen (LoRA's adapters); None, every weight. A
     frozen matrix costs ``2n`` forward and ``2n`` for its input's gradient, but no weight gradient: ``4n``, and each
     trained adapter weight ``6``. ``trained_matrices``: the weights of the base's matrices trained beside the adapters
-    (``lit_fsdp.lora.trained_matrices``: the head, when tied to trained embeddings), ``2`` more each for their weight
-    gradient; trained embeddings and norms cost no matmul. ``routed_adapters``: of ``trained``, the adapters of a
-    mixture's routed experts (LoRA's ``target_parameters`` on ``mlp.experts.*``), which a token uses at ``k / E``
-    as it does their experts.
+    (``lit_fsdp.lora.trained_matrices``: the head, when tied to trained embeddings; a mixture's adapted expert
+    tensors, whose weight gradient is computed), ``2`` more each for their weight gradient; trained embeddings and
+    norms cost no matmul. Of these, ``routed_adapters`` (of ``trained``: the adapters on routed experts' tensors,
+    LoRA's ``target_parameters``) and ``routed_matrices`` (of ``trained_matrices``: those expert tensors) count at the
+    share ``k / E`` a token uses, as the experts' own weights do.
     """
     shape = matmul_shape(config)
     weights = shape.blocks_weights + shape.head_weights
     attention = 12 * shape.attention_width * sum(shape.keys(seq_len))
     if trained is None:
         return 6 * weights + attention
-    idle = routed_adapters - routed_adapters * shape.routed_copies // shape.router_logits if routed_adapters else 0
-    return 4 * weights + 6 * (trained - idle) + 2 * trained_matrices + attention
+
+    def idle(routed: int) -> int:  # the part of ``routed`` weights a token does not use
+        return routed - routed * shape.routed_copies // shape.router_logits if routed else 0
+
+    return (4 * weights + 6 * (trained - idle(routed_adapters)) + 2 * (trained_matrices - idle(routed_matrices))
+            + attention)
 
 
 def recomputed_blocks(layers: int, checkpoint_every: int | Sequence[int]) -> list[int]:

@@ -26,7 +26,12 @@ from lit_fsdp.checkpoint_layout import checkpoint_state_dict
 from lit_fsdp.errors import OneLineError
 from lit_fsdp.model import CausalLM
 from lit_fsdp.weights import materialize
-from tests.distributed import fit_in_process, in_process_cli, run
+from lit_fsdp.commands.evaluate import EvaluationData, evaluate
+from lit_fsdp.commands.export import export_hf
+from lit_fsdp.commands.generate import continue_text
+from lit_fsdp.commands.trained import load_trained
+from tests.corpus import articles, write_array, write_lines
+from tests.distributed import fit_in_process, run
 from tests.helpers import cli_in_process, fit_arguments, read_metrics, sharded_model
 from tests.moe import FAMILIES, LAYOUTS, write_moe_checkpoint
 
@@ -197,11 +202,18 @@ def distributed(checkpoints, tmp_path_factory) -> dict:
     plain = ["--model.config_overrides", "{output_router_logits: false}"]
     qwen = checkpoints["qwen3_moe", "per_expert"]
     recorded = {"class_path": "callbacks.Results"}
-    runs = [fit_of(qwen, root / "two", *plain), fit_of(qwen, root / "aux", callbacks=[recorded]),
+    saved = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}}
+    runs = [fit_of(qwen, root / "two", *plain), fit_of(qwen, root / "aux", callbacks=[recorded, saved]),
             fit_of(qwen, root / "starved", callbacks=[recorded, {"class_path": f"{__name__}.StarveExpert"}])]
     logits = run(every_distributed_check, root, folders, runs)
-    run(fit_in_process, root, [fit_of(qwen, root / "one", *plain, devices=1, batch_size=4)], world=1)
-    return {"root": root, "folders": folders, "logits": logits}
+    # 1 process: the parity run, and a MoE trained on text with its tokenizer, for evaluate and generate
+    corpus, valid = write_array(root / "wiki.json", articles()), write_lines(root / "valid.jsonl", articles(5)[2:])
+    text = fit_arguments(
+        root / "text", "--model.preset", "qwen3-moe-tiny", "--data", "lit_fsdp.data.wikipedia.WikipediaDataModule",
+        "--data.train_path", str(corpus), "--data.val_path", str(valid), "--data.cache_dir", str(root / "cache"),
+        "--data.vocab_size", "300", "--data.seq_len", "32", devices=1, batch_size=1, steps=8, callbacks=[saved])
+    run(fit_in_process, root, [fit_of(qwen, root / "one", *plain, devices=1, batch_size=4), text], world=1)
+    return {"root": root, "folders": folders, "logits": logits, "valid": valid}
 
 
 def test_sharded_loads_give_from_pretrained_logits_with_experts_split_unevenly_or_fewer_than_ranks(distributed):
@@ -242,3 +254,26 @@ def test_an_expert_starved_on_one_rank_does_not_hang_the_other(distributed):
     assert record["steps"] == STEPS and record["status"] == "ok"
     counts = record["moe_tokens_per_expert"]
     assert all(layer[0] < min(layer[1:]) for layer in counts)  # only rank 0's tokens reached expert 0
+
+
+def test_the_export_has_the_sources_tensor_names_loads_whole_and_holds_the_trained_experts(distributed, tmp_path):
+    source = distributed["folders"][0]
+    out = export_hf(str(distributed["root"] / "aux" / "checkpoints" / "last.ckpt"), str(tmp_path / "export"))
+    exported, original = load_file(str(out / "model.safetensors")), load_file(str(source / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    experts = [name for name in original if ".experts." in name]
+    assert all(not torch.equal(exported[name], original[name]) for name in experts)  # every expert trained
+
+
+def test_evaluate_and_generate_agree_on_a_moe_checkpoint_and_its_export(distributed, tmp_path):
+    checkpoint = distributed["root"] / "text" / "checkpoints" / "last.ckpt"
+    hf = export_hf(str(checkpoint), str(tmp_path / "hf"))
+    data = EvaluationData(path=str(distributed["valid"]), cache_dir=str(distributed["root"] / "cache"))
+    from_checkpoint, from_export = (evaluate(str(path), data, seq_len=16) for path in (checkpoint, hf))
+    assert from_checkpoint["tokens"] == from_export["tokens"] > 0
+    assert from_export["loss"] == pytest.approx(from_checkpoint["loss"], rel=1e-6)
+    greedy = [continue_text(load_trained(str(path), device="cpu"), "Article 3", lambda _: None, max_new_tokens=12,
+                            temperature=0).tolist() for path in (checkpoint, hf)]
+    assert greedy[0] == greedy[1] and len(greedy[0]) == 12

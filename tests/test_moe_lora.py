@@ -58,7 +58,8 @@ def test_the_defaults_adapt_the_attention_and_the_experts_but_not_the_router(fam
         == lora.trained_parameters(config, {"rank": RANK})
     expert_weights = sum(model.get_parameter(path).numel() for path in paths if path.endswith(EXPERTS))
     assert lora.trained_matrices(config, {"rank": RANK}) == expert_weights  # their adapted weights get a gradient
-    assert lora.adapter_parameters(config, {"rank": RANK, "target_parameters": []}) < len(trained) * RANK * 32
+    attention = sum(p.numel() for name, p in trained.items() if ".self_attn." in name)
+    assert lora.adapter_parameters(config, {"rank": RANK, "target_parameters": []}) == attention  # [] turns them off
 
 
 def test_an_unknown_target_parameter_is_refused_in_one_line_listing_the_candidates(tmp_path):
@@ -115,6 +116,24 @@ def test_expert_adapters_start_exact_and_give_peft_and_the_merged_model_their_lo
         torch.testing.assert_close(merged(input_ids=inputs).logits, adapted, rtol=1e-5, atol=1e-5)
 
 
+def test_a_compiled_moe_block_adds_the_expert_adapters_as_the_eager_one_does():
+    """``compile_blocks``: dynamo traces the hooks that swap the adapted weights in and out (its eager backend here,
+    as tests/test_lora.py compiles a block)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(moe_config("qwen3_moe"))
+    lora.attach(model, lora.LoraConfig(rank=RANK), device="cpu")
+    lora.init_adapters(model, seed=0)
+    block, x = model.model.layers[0], torch.randn(2, 12, 32)
+    position = model.model.rotary_emb(x, torch.arange(12).unsqueeze(0))
+    compiled = torch.compile(block, backend="eager")
+    for _ in range(2):  # B zero, then as after training
+        torch.testing.assert_close(compiled(x, position_embeddings=position), block(x, position_embeddings=position),
+                                   rtol=0, atol=0)
+        with torch.no_grad():
+            block.mlp.experts.gate_up_proj_lora_B.normal_()
+    assert not [name for module in model.modules() for name in module.__dict__ if name in module._parameters]
+
+
 class TransposedExperts(nn.Module):
     """Experts held in x out (``is_transposed``, as gpt-oss holds them), each a plain matmul."""
 
@@ -159,11 +178,11 @@ def arguments(folder: Path, base: Path, *extra: str, callbacks: list[dict]) -> l
 def fine_tune(rank: int, world: int, root: Path, base: Path) -> None:
     """The FSDP2 run (a checkpoint and the logits at its end), then the SlideFSDP run (its logits)."""
     cli = in_process_cli(rank, world)
-    for name, extra in (("fsdp2", []), ("slide", SLIDE)):
-        saved = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                 "init_args": {"dirpath": str(root / name / "ckpt"), "every_n_train_steps": STEPS}}
+    saved = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+             "init_args": {"dirpath": str(root / "fsdp2" / "ckpt"), "every_n_train_steps": STEPS}}
+    for name, extra, callbacks in (("fsdp2", [], [saved]), ("slide", SLIDE, [])):
         logits = {"class_path": "tests.probes.SaveLogits", "init_args": {"path": str(root / name / "logits.pt")}}
-        cli(arguments(root / name, base, *extra, callbacks=[saved, logits]))
+        cli(arguments(root / name, base, *extra, callbacks=[*callbacks, logits]))
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +190,9 @@ def runs(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("moe_lora")
     base = write_moe_checkpoint(root / "base", "qwen3_moe")  # one tensor per expert on disk, as on the Hub
     run(fine_tune, root, root, base)
-    return SimpleNamespace(root=root, base=base, **{name: SimpleNamespace(
-        checkpoint=next((root / name / "ckpt").glob(f"*-step={STEPS}.ckpt")), logits=torch.load(root / name / "logits.pt"),
+    checkpoint = next((root / "fsdp2" / "ckpt").glob(f"*-step={STEPS}.ckpt"))
+    return SimpleNamespace(base=base, checkpoint=checkpoint, **{name: SimpleNamespace(
+        logits=torch.load(root / name / "logits.pt"),
         metrics=read_metrics(max((root / name).glob("lightning_logs/version_*/metrics.csv")))) for name in ("fsdp2", "slide")})
 
 
@@ -184,7 +204,7 @@ def logits_of(model: nn.Module, saved: dict) -> torch.Tensor:
 def test_the_merged_export_loads_in_transformers_with_the_fine_tuned_logits_and_trained_experts(runs, tmp_path):
     from lit_fsdp.commands.export import export_hf
 
-    export_hf(str(runs.fsdp2.checkpoint), str(tmp_path / "hf"))
+    export_hf(str(runs.checkpoint), str(tmp_path / "hf"))
     merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     torch.testing.assert_close(logits_of(merged, runs.fsdp2.logits), runs.fsdp2.logits["logits"], rtol=1e-5, atol=1e-5)
@@ -200,7 +220,7 @@ def test_the_merged_export_loads_in_transformers_with_the_fine_tuned_logits_and_
 def test_the_adapter_export_loads_in_peft_with_the_fine_tuned_logits(runs, tmp_path):
     from lit_fsdp.commands.export import export_hf
 
-    export_hf(str(runs.fsdp2.checkpoint), str(tmp_path / "adapter"), adapter_only=True)
+    export_hf(str(runs.checkpoint), str(tmp_path / "adapter"), adapter_only=True)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["target_parameters"] == list(EXPERTS) and config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")

@@ -183,7 +183,8 @@ def test_a_malformed_sample_line_is_said_once_whole_before_any_process_or_wandb_
     assert result.returncode == 2 and line.startswith(
         f"lit_fsdp: error: {train}: line 21 is not JSON (Invalid control character at: line 1 column 21 (char 20)); "
         "JSON Lines needs one sample object per line"), line
-    assert not (tmp_path / "run").exists()  # no W&B files, no config: nothing of a run
+    run = tmp_path / "run"  # the checkpoint folder, checked writable, and nothing else: no W&B files, no config
+    assert [path.relative_to(run) for path in run.rglob("*")] == [Path("checkpoints")]
 
 
 def test_more_cpu_processes_than_cores_is_one_warning_line_saying_why_it_is_slower(tmp_path, monkeypatch, caplog):

@@ -19,11 +19,13 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
 from callbacks.comm_profiler import CommProfiler
+from callbacks.offload import OffloadStats
+from callbacks.results import Results
 from callbacks.throughput import Throughput
 from callbacks.progress_bar import progress_bar
 from callbacks.progress_lines import ProgressLines
 from callbacks.run_folder import compression_method, run_name
-import offload  # noqa: F401  (registers the slide_fsdp strategy name)
+from offload import SlideFSDPStrategy  # importing offload registers the slide_fsdp strategy name
 from lit_fsdp import checkpoints
 from lit_fsdp.data.blocks import BlockDataModule, check_same_global_batch
 from lit_fsdp.ddp import DDPStrategy
@@ -48,7 +50,8 @@ TRAINER_DEFAULTS = {
 #: Every run's callbacks: the default of ``trainer.callbacks``. A config or ``--trainer.callbacks`` that lists
 #: callbacks replaces them (``[]``: none); ``--trainer.callbacks+=CLASS``, or ``callbacks+:`` in a config, adds one.
 #: A parser default, not Lightning's ``trainer_defaults``: those are appended after parsing, where no config can take
-#: them out. ``--trainer.enable_checkpointing false`` leaves this list's ModelCheckpoint out (``_no_checkpoints``).
+#: them out. ``--trainer.enable_checkpointing false`` leaves this list's ModelCheckpoint out (``_no_checkpoints``);
+#: under SlideFSDP the trainer gets an OffloadStats too (``instantiate_trainer``), so no config repeats this list.
 CALLBACKS: list[dict[str, Any]] = [
     # to <default_root_dir>/checkpoints (_preflight); resume with --ckpt_path last; read by generate and evaluate.
     # Lightning's, with last also saved at the final step when max_steps is not a multiple of 100
@@ -229,9 +232,9 @@ class LitFsdpCLI(LightningCLI):
                                     f"the checkpoint {path}")
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The trainer, with a CommProfiler if ``comm_profiler`` asks for one and none is listed, and our progress bar
-        (short names, no ``Epoch 2/-2``; plain lines where stdout is no terminal) unless it is off or one is
-        configured."""
+        """The trainer, with a CommProfiler if ``comm_profiler`` asks for one and none is listed, an OffloadStats under
+        SlideFSDP unless one is listed, and our progress bar (short names, no ``Epoch 2/-2``; plain lines where stdout
+        is no terminal) unless it is off or one is configured."""
         config = self._get(self.config_init, "trainer", default={})
         accelerator = config.get("accelerator")
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # Lightning's own answer is a traceback
@@ -243,6 +246,12 @@ class LitFsdpCLI(LightningCLI):
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
         if self._get(self.config_init, "comm_profiler") and not any(isinstance(c, CommProfiler) for c in callbacks):
             callbacks.append(CommProfiler())
+        strategy = config.get("strategy")
+        slide = isinstance(strategy, SlideFSDPStrategy) or strategy == SlideFSDPStrategy.strategy_name
+        if slide and not any(isinstance(c, OffloadStats) for c in callbacks):
+            # before Results, which comes last to record the others' summaries
+            results = next((index for index, c in enumerate(callbacks) if isinstance(c, Results)), len(callbacks))
+            callbacks.insert(results, OffloadStats())
         peak = self._get(self.config_init, "peak_tflops")
         if peak is not None:
             if peak <= 0:

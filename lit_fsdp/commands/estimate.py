@@ -219,7 +219,8 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
               "loss": memory.logits}
     tokens = trainer.accumulate_grad_batches * data.batch_size * data.seq_len  # per process per optimizer step
     model_flops = tokens * flops_per_token(config, data.seq_len, adapter_parameters(config, lora) if lora else None,
-                                           trained_matrices(config, lora), model.routed_adapters)
+                                           trained_matrices(config, lora), model.routed_adapters,
+                                           model.routed_matrices)
     units: list[UnitSize] = []
     reserve = 0
     if candidate.strategy == "slide_fsdp":

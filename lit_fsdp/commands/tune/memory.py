@@ -26,6 +26,8 @@ value, r = 4 bytes per reduced gradient value):
   A does: the same tensor) plus per target A's output, rank values a token (Llama-8B, rank 16 on all 7
   targets: 0.1% more), and with ``dropout`` > 0 each target's dropped input and its mask, in-features x
   (p + 1) bytes a token (Llama: 6h + i values a block; 65% more at 8B in bfloat16).
+  LoRA on a mixture's expert tensors (``target_parameters``) keeps each block's effective weight W + BA for its
+  backward: the block's adapted expert tensors in p bytes, whatever the tokens (``lit_fsdp.lora_parameters``).
 - **logits** (``lit_fsdp.loss.loss_bytes``): m x s x V x (p + 8), the logits, their float32 copy and the
   log-softmax; with the chunked loss (C tokens a chunk) 8 x C x V + m x s x h x p + 4 x V x h instead.
 - **compression**: what the gradient compressor keeps between steps (``CompressionConfig.state_bytes``):
@@ -61,7 +63,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from lit_fsdp.diloco import outer_state_bytes
 from lit_fsdp.flops import matmul_shape
-from lit_fsdp.lora import LoraConfig, adapted, as_config, attach
+from lit_fsdp.lora import LoraConfig, adapted, as_config, attach, target_parameter_paths
 from lit_fsdp.loss import loss_bytes
 from lit_fsdp.parallelize import find_blocks
 from lit_fsdp.lifecycle import resolve_dtype
@@ -96,10 +98,14 @@ class ModelShape:
     adapter_ranks: int = 0
     adapter_dropped: int = 0
     # a mixture of experts (0 without): the experts a token is routed to (k) and the router's logits (E), for a MoE
-    # block's activations (intermediate is then k x the expert's width); the adapters on routed experts' weights
+    # block's activations (intermediate is then k x the expert's width); with LoRA on its expert tensors, the adapters
+    # on them and those tensors (of ``adapters``, and of the weights that get a weight gradient: lit_fsdp.flops), and
+    # the largest block's adapted expert tensors, whose effective weight W + BA each block keeps for its backward
     routed_copies: int = 0
     router_logits: int = 0
     routed_adapters: int = 0
+    routed_matrices: int = 0
+    block_adapted_experts: int = 0
 
     @classmethod
     def of(cls, config: PretrainedConfig, block_class: str | None = None,
@@ -107,6 +113,8 @@ class ModelShape:
         lora = as_config(lora)
         with torch.device("meta"):
             network = AutoModelForCausalLM.from_config(config)
+        experts = [path for path in target_parameter_paths(network, lora) if ".experts." in path] if lora else []
+        adapted_experts = {path: network.get_parameter(path).numel() for path in experts}
         if lora is not None:  # as the run attaches them (on the meta device): the base frozen, the adapters trained
             attach(network, lora)
         blocks = find_blocks(network, block_class)
@@ -129,6 +137,9 @@ class ModelShape:
             adapter_dropped=dropped, routed_copies=shape.routed_copies, router_logits=shape.router_logits,
             routed_adapters=sum(p.numel() for name, p in network.named_parameters()
                                 if lora and p.requires_grad and ".experts." in name),
+            routed_matrices=sum(adapted_experts.values()),
+            block_adapted_experts=max((sum(n for path, n in adapted_experts.items() if path.startswith(f"{name}."))
+                                       for name, _ in blocks), default=0),
         )
 
     @property
@@ -190,6 +201,7 @@ def activation_bytes(candidate: Candidate, model: ModelShape, run: RunShape, p: 
     per_block, block_input = block_activation_bytes(model.hidden, model.intermediate, model.gated_mlp, tokens, p,
                                                     model.routed_copies, model.router_logits)
     per_block += tokens * (model.adapter_ranks * p + model.adapter_dropped * (p + 1))  # LoRA; a dropout mask: 1 byte
+    per_block += model.block_adapted_experts * p  # LoRA on expert tensors: W + BA, kept whole (lit_fsdp.lora_parameters)
     # SlideFSDP's auto plan recomputes what the device cannot keep: at most what recomputing every block keeps
     every = 1 if candidate.strategy == "slide_fsdp" and candidate.activation_plan == "auto" else candidate.activation_checkpointing
     checkpointed = math.ceil(model.layers / every) if every else 0
