@@ -343,7 +343,7 @@ class CompressedReduceScatter(ReduceScatter):
         stats.calls += 1
         stats.numel += rows.numel()
         stats.bytes_raw += (world - 1) * rows.shape[1] * 4
-        keys = [f"{mover.name}/{d}" for d in range(world)]
+        keys = [self.key(d) for d in range(world)]
         if mover.compressor.linear:
             rows = rows / world  # average on the wire: the sum of fp16 payloads cannot overflow
         kept = theirs = [None] * world
@@ -357,6 +357,10 @@ class CompressedReduceScatter(ReduceScatter):
             result = mover.decompress(self._all_to_all(payloads, theirs, group, rank), rows.device)
         output_tensor.copy_(apply_op(result, op, world, prescaled=mover.compressor.linear))
         return None
+
+    def key(self, destination: int) -> str:
+        """The compressor's key for the row sent to rank ``destination``."""
+        return f"{self.mover.name}/{destination}"
 
     def _uncompressed(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op: object) -> None:
         """FSDP2's own reduce-scatter, the same collective with the same op (a method's uncompressed warm-up)."""
@@ -389,7 +393,7 @@ class CompressedReduceScatter(ReduceScatter):
         # Scalars (seeds) are equal on all ranks and derived from the shared call count: not sent again.
         stats.bytes_sent += (world - 1) * (mine.nbytes - SCALAR_BYTES * len(mine.scalars))
         stats.bytes_index += (world - 1) * mine.index_nbytes
-        return Payload(mine.numel, summed, mine.scalars, mine.index_names, mine.kept)
+        return Payload(mine.numel, summed, mine.scalars, mine.index_names, mine.kept, mine.matrices)
 
     def _all_to_all(self, payloads: list[Payload], theirs: list[int | None], group, rank: int) -> list[Payload]:
         """Row ``d``'s payload to rank ``d``; every source's payload for this rank's row, in rank order."""
@@ -420,6 +424,11 @@ class CompressedAllReduce:
         self.mover = PayloadMover(compressor, stats, name, restored)
         self.group = group
 
+    @property
+    def key(self) -> str:
+        """The compressor's key for this rank's reduced shard."""
+        return f"{self.mover.name}/ar"
+
     def __call__(self, reduce_output: torch.Tensor) -> None:
         mover, stats, group = self.mover, self.mover.stats, self.group
         world = group.size()
@@ -431,7 +440,7 @@ class CompressedAllReduce:
             count_uncompressed(stats, reduce_output, sent_share=2 * (world - 1) / world)  # a ring all-reduce
             return
         flat = mover.screen(reduce_output.float()).view(-1)
-        key = f"{mover.name}/ar"
+        key = self.key
         stats.calls += 1
         stats.numel += flat.numel()
         stats.bytes_raw += 2 * (world - 1) * flat.numel() * 4 // world  # a ring all-reduce

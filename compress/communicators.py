@@ -14,6 +14,8 @@ from typing import Any, Callable
 import torch
 
 from compress.communicator import CompressedAllReduce, CompressedReduceScatter
+from compress.layout import UnitLayout
+from compress.lowrank import LowRank
 from compress.onebit_adam import OneBitAdam
 from compress.onebit_communicator import OneBitAdamAllReduce, OneBitAdamReduceScatter
 from compress.onebit_momentum import OneBitMomentum
@@ -49,12 +51,34 @@ def _powersgd_all_reduce(state, stats, name: str, *, group, layout, restored=Non
     return PowerSGDAllReduce(state, stats, f"{name}/ar", layout, group, restored)
 
 
+def _lowrank_reduce_scatter(compressor, stats, name: str, *, layout: UnitLayout, restored=None) -> CompressedReduceScatter:
+    """Any compressor's reduce-scatter, with each destination row's stacked matrices (a MoE layer's experts) declared
+    to the low-rank codec, which compresses them one by one."""
+    hook = CompressedReduceScatter(compressor, stats, name, restored)
+    for destination in range(layout.shards):
+        _low_rank(compressor).stacks[hook.key(destination)] = layout.stacks(destination)
+    return hook
+
+
+def _lowrank_all_reduce(compressor, stats, name: str, *, group, layout: UnitLayout, restored=None) -> CompressedAllReduce:
+    """Any compressor's replicate all-reduce, with the stacked matrices of this rank's shard declared to the codec."""
+    hook = CompressedAllReduce(compressor, stats, name, group, restored)
+    _low_rank(compressor).stacks[hook.key] = layout.stacks()
+    return hook
+
+
+def _low_rank(compressor) -> LowRank:
+    return getattr(compressor, "inner", compressor)  # error feedback's
+
+
 def _onebit_adam(params, compressor: OneBitMomentum, **adamw: Any) -> OneBitAdam:
     return OneBitAdam(params, compressor.phase, **adamw)
 
 
 #: any compressor's payloads: compressed reduce-scatter (all-to-all or summed on the wire) and all-reduce
 COMPRESSED = Communicator(CompressedReduceScatter, CompressedAllReduce)
+#: lowrank: any compressor's hooks, stacked matrices (MoE experts) in each row declared to the codec
+LOWRANK = Communicator(_lowrank_reduce_scatter, _lowrank_all_reduce, layout=True)
 #: PowerSGD: native all-reduces of P and Q per parameter matrix, no payloads
 POWERSGD = Communicator(PowerSGDReduceScatter, _powersgd_all_reduce, layout=True, movers=False)
 #: Sketched-SGD: summed count sketches, then the candidates' exact values

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from compress.communicators import COMPRESSED, ONEBIT_ADAM, POWERSGD, SKETCHED, Communicator
+from compress.communicators import COMPRESSED, LOWRANK, ONEBIT_ADAM, POWERSGD, SKETCHED, Communicator
 from compress.dgc import DeepGradientCompression
 from compress.error_feedback import ErrorFeedback
 from compress.lowrank import LowRank
@@ -69,8 +69,8 @@ METHODS: dict[str, Method] = {
         kept_state=("Sketched-SGD's residuals", "use a method without built-in error feedback (e.g. int8)"),
     ),
     "lowrank": Method(
-        "per-rank rank-r power iteration of reshaped chunks (each rank its own factors)", {"rank": 4, "cols": None}, LowRank,
-        fits=lambda n, **parameters: LowRank(**parameters).check_fits(n),
+        "per-rank rank-r power iteration of reshaped chunks, MoE experts matrix by matrix (each rank its own factors)",
+        {"rank": 4, "cols": None}, LowRank, communicator=LOWRANK, fits=lambda n, **parameters: LowRank(**parameters).check_fits(n),
     ),
     "powersgd": Method(
         "PowerSGD: rank-r per matrix, a Q shared by all ranks, P and Q summed natively, error feedback built in",

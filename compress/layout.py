@@ -136,10 +136,12 @@ class UnitLayout:
             for p in self.places
         ]
 
-    def stacks(self, rank: int) -> tuple[MatrixStack, ...]:
-        """The stacked parameters' matrices in rank ``rank``'s shard, where they lie in it (padding rows left out)."""
-        return tuple(MatrixStack(p.shard_offset, len(p.rows_on(rank)), *p.matrix)
-                     for p in self.places if p.stacked and p.rows_on(rank))
+    def stacks(self, rank: int | None = None) -> tuple[MatrixStack, ...]:
+        """The stacked parameters' matrices in rank ``rank``'s shard (None: the rank the layout was built for), where
+        they lie in it (padding rows left out)."""
+        counts = [len(p.rows_on(rank)) if rank is not None else p.stop_row - p.start_row for p in self.places]
+        return tuple(MatrixStack(p.shard_offset, count, *p.matrix) for p, count in zip(self.places, counts)
+                     if p.stacked and count)
 
     # --- between layouts -------------------------------------------------------------------------
 

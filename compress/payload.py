@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from compress.layout import MatrixStack
+
 SCALAR_BYTES = 8  # a scalar sent with a payload (a seed, a count) travels as one int64 or float64
 
 
@@ -33,6 +35,9 @@ class Payload:
     index_names: tuple[str, ...] = ()
     #: coordinates given a value, where a sparsifier chose them (None: every one); known on the host, never sent
     kept: int | None = None
+    #: where the chunk holds stacks of matrices a low-rank codec compressed one by one (a MoE layer's experts,
+    #: ``compress.lowrank``); the same for every rank's payload of the chunk, never sent
+    matrices: tuple[MatrixStack, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +73,7 @@ def pack(payload: Payload) -> torch.Tensor:
 
 
 def unpack(buffer: torch.Tensor, layout: Layout, like: Payload) -> Payload:
-    """The payload ``pack`` made, given its ``layout``; numel, scalars, index names and kept come from ``like``.
+    """The payload ``pack`` made, given its ``layout``; numel, scalars, index names, kept and matrices come from ``like``.
 
     ``like`` is a payload the receiver holds for the same chunk (its own, or one described by the
     exchanged count): those fields are equal on every rank, so they never travel.
@@ -80,7 +85,7 @@ def unpack(buffer: torch.Tensor, layout: Layout, like: Payload) -> Payload:
         # a slice at an unaligned byte offset cannot be viewed as a wider dtype: copy it (on the device)
         tensors[name] = (part if part.storage_offset() % size == 0 else part.clone()).view(dtype).view(shape)
         offset += part.numel()
-    return Payload(like.numel, tensors, like.scalars, like.index_names, like.kept)
+    return Payload(like.numel, tensors, like.scalars, like.index_names, like.kept, like.matrices)
 
 
 class Compressor(Protocol):

@@ -121,9 +121,9 @@ def _refuse_missing_folder(spec: str, flag: str) -> None:
         return
     raise OneLineError(f"{flag} {spec}: no such folder {path.absolute()} (a relative path is read from the folder the "
                        "command runs in); check the path, or make it first: a model folder with its tokenizer is "
-                       f"what `python -m lit_fsdp export RUN/checkpoints/last.ckpt {spec}` writes of a run, as the header "
-                       "of the config naming it says (configs/sft_full.yaml's: train configs/wikipedia.yaml's run, then "
-                       "export it)")
+                       f"what `python -m lit_fsdp export RUN/checkpoints/last.ckpt {spec}` writes of a run, as the "
+                       "header of the config naming it says (configs/sft_full.yaml's: train configs/wikipedia.yaml's "
+                       "run, then export it)")
 
 
 def _no_local_folder(spec: str) -> str:

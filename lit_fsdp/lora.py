@@ -41,19 +41,20 @@ from lit_fsdp import lora_parameters
 from lit_fsdp.errors import OneLineError, RunError
 from lit_fsdp.weights import clean_name, write_shard
 
+#: Mixture-of-experts families whose experts are fused 3D tensors (transformers 5) of the same names.
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 #: Targets when ``--model.lora`` names none: every linear layer of the attention and the MLP. The Llama-like families
-#: share Llama's module names; Phi-3 fuses Q, K, V (qkv_proj) and gate and up (gate_up_proj).
+#: share Llama's module names; Phi-3 fuses Q, K, V (qkv_proj) and gate and up (gate_up_proj). A mixture of experts'
+#: MLP is not linear layers: its attention's alone (its experts: ``DEFAULT_TARGET_PARAMETERS``).
 DEFAULT_TARGETS: dict[str, list[str]] = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     **{family: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
        for family in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "olmo2")},
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    **{family: ["q_proj", "k_proj", "v_proj", "o_proj"] for family in MOE_FAMILIES},
 }
-#: Mixture-of-experts families whose experts are fused 3D tensors (transformers 5) of the same names.
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-#: Their defaults: the attention's linear layers, and the experts' tensors as ``target_parameters``; the router
-#: (``mlp.gate``) is left as it is, as Unsloth and axolotl leave it.
-DEFAULT_TARGETS.update({family: ["q_proj", "k_proj", "v_proj", "o_proj"] for family in MOE_FAMILIES})
+#: ``target_parameters`` when ``--model.lora`` names none: a mixture of experts' expert tensors; its router
+#: (``mlp.gate``) is left as it is.
 DEFAULT_TARGET_PARAMETERS: dict[str, list[str]] = {
     family: ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] for family in MOE_FAMILIES}
 ADAPTERS = ("lora_A", "lora_B")
@@ -156,17 +157,17 @@ def parameter_candidates(model: nn.Module) -> list[str]:
 
 def target_parameter_paths(model: nn.Module, config: LoraConfig) -> list[str]:
     """The paths of the parameters ``config`` adapts in ``model`` (peft's ``target_parameters``, matched as peft
-    matches them: the path or a dotted suffix of it); an unknown name, or dropout beside them, is refused in one line."""
+    matches them: the path or a dotted suffix of it); an unknown name, or dropout beside them, is refused in one
+    line."""
     candidates = parameter_candidates(model)
     model_type = _model_type(model)
-    names = config.target_parameters
-    if names is None:
-        names = DEFAULT_TARGET_PARAMETERS.get(model_type, [])
+    names = target_parameter_names(model_type, config)
     found = {name: [p for p in candidates if p == name or p.endswith(f".{name}")] for name in names}
     unknown = [name for name, paths in found.items() if not paths]
     if unknown:
         kinds = sorted({re.sub(r"^.*?\.\d+\.", "", path) for path in candidates})  # without the layer's prefix
-        choose = f"choose from {kinds}" if kinds else "it has none (no fused expert tensors): adapt its linear modules with targets"
+        choose = (f"choose from {kinds}" if kinds
+                  else "it has none (no fused expert tensors): adapt its linear modules with targets")
         raise OneLineError(f"--model.lora target_parameters {unknown} name no parameter of this {model_type} model "
                            f"outside its linear modules; {choose}")
     paths = sorted({p for found_paths in found.values() for p in found_paths}, key=candidates.index)
@@ -177,10 +178,15 @@ def target_parameter_paths(model: nn.Module, config: LoraConfig) -> list[str]:
     return paths
 
 
-def _adapted_owners(model: nn.Module, config: LoraConfig) -> list[str]:
-    """The paths of the modules ``config`` adapts: its linear targets and the owners of its target parameters."""
-    owners = [path.rpartition(".")[0] for path in target_parameter_paths(model, config)]
-    return [*target_paths(model, config), *dict.fromkeys(owners)]
+def target_parameter_names(model_type: str, config: LoraConfig) -> list[str]:
+    """``config.target_parameters``, or the defaults of ``model_type`` (``DEFAULT_TARGET_PARAMETERS``, else none)."""
+    names = config.target_parameters
+    return DEFAULT_TARGET_PARAMETERS.get(model_type, []) if names is None else names
+
+
+def _adapted_modules(paths: list[str], parameters: list[str]) -> list[str]:
+    """The paths of the adapted modules: the linear ones (``paths``) and the owners of the adapted ``parameters``."""
+    return [*paths, *dict.fromkeys(path.rpartition(".")[0] for path in parameters)]
 
 
 def _names_module(name: str, path: str, module: nn.Module) -> bool:
@@ -193,11 +199,12 @@ def _names_module(name: str, path: str, module: nn.Module) -> bool:
 
 def train_paths(model: nn.Module, config: LoraConfig, targets: list[str] | None = None) -> list[str]:
     """The paths of the modules ``config.train`` names, trained whole beside the adapters (``targets``: the adapted
-    modules' paths, default those of ``config``); a head tied to the input embeddings is named by the embeddings' path. A name
-    that matches no module, or a module that is or holds an adapted one, is refused in one line."""
+    modules' paths, default those of ``config``); a head tied to the input embeddings is named by the embeddings'
+    path. A name that matches no module, or a module that is or holds an adapted one, is refused in one line."""
     if not config.train:
         return []
-    targets = _adapted_owners(model, config) if targets is None else targets
+    if targets is None:
+        targets = _adapted_modules(target_paths(model, config), target_parameter_paths(model, config))
     modules = {clean_name(name): module for name, module in model.named_modules()
                if name and next(module.parameters(), None) is not None}
     found = {name: [p for p, m in modules.items() if _names_module(name, p, m)] for name in config.train}
@@ -277,7 +284,7 @@ def attach(model: nn.Module, config: LoraConfig, device: torch.device | str | No
     parameter its adapters (on ``device``, default that of its weight: the meta device before sharding) and the
     forward that adds them; returns the adapted modules' and parameters' paths."""
     paths, parameters = target_paths(model, config), target_parameter_paths(model, config)
-    whole = train_paths(model, config, _adapted_owners(model, config))
+    whole = train_paths(model, config, _adapted_modules(paths, parameters))
     for param in model.parameters():
         param.requires_grad_(False)
     for path in whole:
@@ -325,13 +332,15 @@ def seed_dropout(model: nn.Module, *key: int) -> None:
 
 
 def adapted(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules that carry adapters, by clean path, in model order."""
+    """The linear modules that carry adapters, by clean path, in model order (the adapted parameters:
+    ``lora_parameters.adapted``)."""
     return [(clean_name(name), module) for name, module in model.named_modules() if hasattr(module, "lora_hook")]
 
 
 def adapter_names(model: nn.Module) -> set[str]:
     """The clean parameter names of every adapter: what a Hugging Face base folder does not hold."""
-    return {f"{path}.{name}" for path, _ in adapted(model) for name in ADAPTERS} | set(lora_parameters.named_adapters(model))
+    linear = {f"{path}.{name}" for path, _ in adapted(model) for name in ADAPTERS}
+    return linear | set(lora_parameters.named_adapters(model))
 
 
 def trained_names(model: nn.Module) -> set[str]:
@@ -380,7 +389,8 @@ def peft_adapter(model: nn.Module, config: LoraConfig, base: str | None) -> tupl
     peft_names = lora_parameters.peft_names(model)
     tensors |= {peft_names[name]: param.detach().float().contiguous()
                 for name, param in lora_parameters.named_adapters(model).items()}
-    whole = train_paths(model, config, _adapted_owners(model, config))
+    adapted_parameters = [path for path, _, _ in lora_parameters.adapted(model)]
+    whole = train_paths(model, config, _adapted_modules([path for path, _ in modules], adapted_parameters))
     for path in whole:  # peft's keys for modules_to_save: the module's own, without "modules_to_save.default"
         for name, param in model.get_submodule(path).named_parameters():
             tensors[f"base_model.model.{path}.{name}"] = param.detach().float().contiguous()
@@ -390,13 +400,10 @@ def peft_adapter(model: nn.Module, config: LoraConfig, base: str | None) -> tupl
         names = {module: clean_name(name) for name, module in model.named_modules()}
         tensors[f"base_model.model.{names[head]}.weight"] = tensors[f"base_model.model.{names[embeddings]}.weight"].clone()
     targets = config.targets or DEFAULT_TARGETS[model.config.model_type]
-    parameters = config.target_parameters
-    if parameters is None:
-        parameters = DEFAULT_TARGET_PARAMETERS.get(model.config.model_type, [])
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": config.dropout, "target_modules": targets,
-        "target_parameters": parameters or None,
+        "target_parameters": target_parameter_names(model.config.model_type, config) or None,
         "bias": "none", "fan_in_fan_out": any(isinstance(m, Conv1D) for _, m in modules),  # Conv1D's weight is in x out
         "init_lora_weights": True, "inference_mode": True,
         # full paths: peft matches modules_to_save by suffix, and "h.1.ln_1" would also match "h.11.ln_1"

@@ -161,14 +161,16 @@ def test_a_wandb_run_becomes_a_results_record():
 
 
 def test_a_sweep_run_keeps_the_callbacks_its_configs_list_or_append(tmp_path):
-    """As the CLI reads them: ``callbacks+`` (configs/offload.yaml's OffloadStats) appends to the standard list, or to
-    the list an earlier config gave; ``callbacks`` replaces it. compare_runs' four are added where missing."""
+    """As the CLI reads them: ``callbacks+`` appends to the standard list, or to the list an earlier config gave;
+    ``callbacks`` replaces it. compare_runs' four are added where missing."""
     names = lambda configs: [e["class_path"] for e in sweep_script.run_callbacks(configs, "run", {})]  # noqa: E731
-    appended = names([REPO / "configs" / "quickstart.yaml", REPO / "configs" / "offload.yaml"])
+    plus = tmp_path / "plus.yaml"
+    plus.write_text("trainer:\n  callbacks+:\n    - class_path: callbacks.OffloadStats\n")
+    appended = names([REPO / "configs" / "quickstart.yaml", plus])
     assert appended[0] == "callbacks.ModelCheckpoint" and "callbacks.OffloadStats" in appended
     own = tmp_path / "own.yaml"
     own.write_text("trainer:\n  callbacks:\n    - class_path: callbacks.Memory\n")
-    assert names([own, REPO / "configs" / "offload.yaml"]) == [
+    assert names([own, plus]) == [
         "callbacks.Memory", "callbacks.OffloadStats", "callbacks.Results", "callbacks.Quality", "callbacks.Throughput",
         "callbacks.CompressionStats"]
 

@@ -65,8 +65,8 @@ def test_help_names_python_m_lit_fsdp_not_main_py(capsys):
      "--trainer.strategy.init_args.sharding FULL_SHRD: did you mean FULL_SHARD? (choices: FULL_SHARD, SHARD_GRAD_OP, "
      "NO_SHARD, HYBRID_SHARD) (of lit_fsdp.strategy.FSDP2Strategy)"),
     ("--trainer.strategy.init_args.compression", "{method: int8, num_bit: 4}",
-     "--trainer.strategy.init_args.compression.num_bit: did you mean --trainer.strategy.init_args.compression.num_bits? "
-     "(of compress.config.CompressionConfig)"),
+     "--trainer.strategy.init_args.compression.num_bit: did you mean "
+     "--trainer.strategy.init_args.compression.num_bits? (of compress.config.CompressionConfig)"),
 ], ids=["sharding-value", "compression-key"])
 def test_a_misspelt_strategy_value_or_compression_key_is_one_line_with_the_nearest(capsys, option, value, line):
     """Inside the strategy's arguments jsonargparse's own error is "Does not validate against any of the Union
@@ -85,8 +85,8 @@ def test_a_value_outside_its_choices_in_a_config_is_named_with_the_keys(tmp_path
     assert err.splitlines() == [
         "lit_fsdp: error: 1 unknown key and 2 unknown values (python -m lit_fsdp fit --help lists the options):",
         f"  in {typos}:",
-        "    trainer.strategy.init_args.update forwrd: did you mean forward? (choices: auto, synchronous, forward, split, "
-        f"speculative, delayed) {slide}",
+        "    trainer.strategy.init_args.update forwrd: did you mean forward? (choices: auto, synchronous, forward, "
+        f"split, speculative, delayed) {slide}",
         f"    trainer.strategy.init_args.grad_sync nccl: not one of gpu_reduce, cpu_reduce {slide}",
         f"    trainer.strategy.init_args.windw: did you mean trainer.strategy.init_args.window? {slide}",
     ], err

@@ -1,5 +1,6 @@
 """Every shipped config parses against the real CLI, alone and composed, and ends with the callbacks it should: the
-CLI's standard list (``lit_fsdp.commands.cli.CALLBACKS``), which no config repeats; a list replaces it, ``+=`` adds."""
+CLI's standard list (``lit_fsdp.commands.cli.CALLBACKS``), which no config repeats (under SlideFSDP the CLI adds
+OffloadStats itself); a list replaces it, ``+=`` adds."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from callbacks import CommProfiler
+from callbacks import CommProfiler, OffloadStats, Results
 from callbacks import ModelCheckpoint as StandardCheckpoint
 from lit_fsdp.commands.cli import CALLBACKS, run
 from tests.helpers import REPO
@@ -20,23 +21,6 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 WIKIPEDIA = REPO / "configs" / "wikipedia.yaml"
 INT8 = REPO / "configs" / "int8.yaml"
 STANDARD = [callback["class_path"] for callback in CALLBACKS]
-#: The configs whose callbacks are not the standard list, and what they resolve to (each says why in a comment).
-OWN = {
-    # checkpointing off: one checkpoint of the 8B is 96 GB
-    "llama_8b_offload.yaml": ["callbacks.Throughput", "callbacks.Memory", "callbacks.CompressionStats",
-                              "callbacks.Quality", "callbacks.OffloadStats", "callbacks.Results"],
-    "offload.yaml": [*STANDARD, "callbacks.OffloadStats"],  # appended: SlideFSDP's host-device traffic and CPU update
-    "qwen_32b_lora.yaml": [*STANDARD, "callbacks.OffloadStats"],
-    # checkpointing off: one checkpoint of the 14B is 84 GiB
-    "qwen_14b_full.yaml": ["callbacks.Throughput", "callbacks.Memory", "callbacks.Quality", "callbacks.OffloadStats",
-                           "callbacks.Results"],
-    # the fine-tuning recipes: the 8B's and the 14B's full checkpoints (61 and 84 GiB) off, the LoRA one's kept (MB)
-    "sft_8b_full_offload.yaml": ["callbacks.Throughput", "callbacks.Memory", "callbacks.Quality",
-                                 "callbacks.OffloadStats", "callbacks.Results"],
-    "sft_14b_full_offload.yaml": ["callbacks.Throughput", "callbacks.Memory", "callbacks.Quality",
-                                  "callbacks.OffloadStats", "callbacks.Results"],
-    "sft_8b_lora_offload.yaml": [*STANDARD, "callbacks.OffloadStats"],
-}
 
 
 def print_config(capsys, *configs, args: tuple[str, ...] = ()) -> dict:
@@ -73,23 +57,57 @@ def test_config_parses_alone_and_composed_and_ends_with_its_callbacks(capsys, co
         shown = " ".join(path.name for path in configs)
         # the config's strategy, or FSDP2 by default, wins over the earlier config's
         assert result["trainer"]["strategy"]["class_path"].split(".")[-1] == strategy, shown
-        assert callback_classes(result) == OWN.get(config.name, STANDARD), shown
+        assert callback_classes(result) == STANDARD, shown
         assert result["comm_profiler"] is mine.get("comm_profiler", False), shown
     for key, value in (mine.get("model") or {}).items():  # the later file wins (a dict's unset fields are defaults)
         got = resolved[1]["model"][key]
         assert value.items() <= got.items() if isinstance(value, dict) else got == value, key
 
 
-def test_the_method_configs_and_offload_turn_the_comm_profiler_on_and_nothing_else_repeats_a_list():
+def test_the_method_configs_and_offload_turn_the_comm_profiler_on():
     profiled = {config.name for config in CONFIGS if yaml.safe_load(config.read_text()).get("comm_profiler")}
     methods = {config.name for config in CONFIGS if "compression:" in config.read_text()}
     assert methods and profiled == methods | {"offload.yaml"}
+
+
+def lists_in(node, key: str = "") -> list[tuple[str, list]]:
+    """Every list in a config's YAML, at any depth, with its key (``trainer.callbacks``)."""
+    if isinstance(node, dict):
+        return [found for name, value in node.items() for found in lists_in(value, f"{key}.{name}".lstrip("."))]
+    if isinstance(node, list):
+        return [(key, node)] + [found for index, item in enumerate(node) for found in lists_in(item, f"{key}[{index}]")]
+    return []
+
+
+def test_no_config_repeats_a_list_of_another_or_lists_callbacks():
+    """A list said in two configs has to be kept in step in both: say it once (the standard callbacks are the CLI's
+    CALLBACKS; SlideFSDP's OffloadStats the CLI adds; ``enable_checkpointing: false`` drops the ModelCheckpoint)."""
+    first: dict[str, str] = {}
     for config in CONFIGS:
-        trainer = yaml.safe_load(config.read_text()).get("trainer") or {}
-        listed = [callback["class_path"] for callback in trainer.get("callbacks", [])]
-        added = [callback["class_path"] for callback in trainer.get("callbacks+", [])]
-        assert sorted(listed) != sorted(STANDARD) and not set(added) & set(STANDARD), config.name
-        assert bool(listed or added) is (config.name in OWN), f"{config.name}: drop the list, or add it to OWN with why"
+        for key, value in lists_in(yaml.safe_load(config.read_text())):
+            assert not key.startswith("trainer.callbacks"), f"{config.name}: {key} lists callbacks; drop the list"
+            shown = json.dumps(value, sort_keys=True)
+            assert shown not in first, f"{config.name}: {key} repeats the list of {first[shown]}"
+            first[shown] = f"{config.name}'s {key}"
+
+
+@pytest.mark.parametrize("config", ["offload.yaml", "sft_8b_full_offload.yaml"], ids=["standard", "checkpointing-off"])
+def test_the_cli_gives_a_slidefsdp_run_one_offload_stats_before_results(tmp_path, config):
+    """Two of the SlideFSDP configs (the others' synthetic data of a 128k or 152k vocabulary takes 9 s to build):
+    OffloadStats before Results, which records the others' summaries; a listed OffloadStats is the one kept."""
+    config = REPO / "configs" / config
+    offline = ("--trainer.accelerator", "cpu", "--model.pretrained_path", "null")  # the preset's shape, on meta
+    callbacks = trainer_callbacks(tmp_path, "--config", str(QUICKSTART), "--config", str(config), *offline)
+    kinds = [type(c) for c in callbacks]
+    assert kinds.count(OffloadStats) == 1 and kinds.index(OffloadStats) < kinds.index(Results), kinds
+    checkpointing = yaml.safe_load(config.read_text())["trainer"].get("enable_checkpointing", True)
+    assert any(isinstance(c, ModelCheckpoint) for c in callbacks) is checkpointing, kinds
+    own = "[{class_path: callbacks.OffloadStats, init_args: {warmup_steps: 5}}]"
+    listed = trainer_callbacks(tmp_path, "--config", str(QUICKSTART), "--config", str(config), *offline,
+                               "--trainer.callbacks", own)
+    assert [c.warmup_steps for c in listed if isinstance(c, OffloadStats)] == [5]  # the listed one, not a second
+    fsdp2 = trainer_callbacks(tmp_path, "--config", str(QUICKSTART))
+    assert not any(isinstance(c, OffloadStats) for c in fsdp2)
 
 
 def test_the_quickstart_resolves_to_synthetic_data_on_two_cpu_processes(capsys):

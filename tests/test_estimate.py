@@ -30,7 +30,7 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 #: accelerator: gpu
 ON_GPU = {"gpt2_124m.yaml", "llama_1b.yaml", "llama_1b_low_memory.yaml", "llama_8b_offload.yaml", "qwen_14b_full.yaml",
           "qwen_32b_lora.yaml", "llama_8b_offload_8k.yaml", "sft_8b_lora_offload.yaml", "sft_8b_full_offload.yaml",
-          "sft_14b_full_offload.yaml"}
+          "sft_14b_full_offload.yaml", "qwen3_30b_a3b_lora.yaml"}
 
 
 def pretrained_folder(folder: Path) -> Path:

@@ -32,7 +32,7 @@ from lit_fsdp.commands.generate import continue_text
 from lit_fsdp.commands.trained import load_trained
 from tests.corpus import articles, write_array, write_lines
 from tests.distributed import fit_in_process, run
-from tests.helpers import cli_in_process, fit_arguments, read_metrics, sharded_model
+from tests.helpers import REPO, cli_in_process, fit_arguments, read_metrics, sharded_model
 from tests.moe import FAMILIES, LAYOUTS, write_moe_checkpoint
 
 STEPS = 4
@@ -204,7 +204,11 @@ def distributed(checkpoints, tmp_path_factory) -> dict:
     recorded = {"class_path": "callbacks.Results"}
     saved = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}}
     runs = [fit_of(qwen, root / "two", *plain), fit_of(qwen, root / "aux", callbacks=[recorded, saved]),
-            fit_of(qwen, root / "starved", callbacks=[recorded, {"class_path": f"{__name__}.StarveExpert"}])]
+            fit_of(qwen, root / "starved", callbacks=[recorded, {"class_path": f"{__name__}.StarveExpert"}]),
+            # the config, then what FAST sets for a short run (a later --config would set them again)
+            fit_arguments(root / "config", "--config", str(REPO / "configs" / "moe.yaml"), "--trainer.max_steps",
+                          str(STEPS), "--data.batch_size", "2", "--trainer.limit_val_batches", "0",
+                          "--trainer.log_every_n_steps", "1", callbacks=[recorded])]
     logits = run(every_distributed_check, root, folders, runs)
     # 1 process: the parity run, and a MoE trained on text with its tokenizer, for evaluate and generate
     corpus, valid = write_array(root / "wiki.json", articles()), write_lines(root / "valid.jsonl", articles(5)[2:])
@@ -277,3 +281,11 @@ def test_evaluate_and_generate_agree_on_a_moe_checkpoint_and_its_export(distribu
     greedy = [continue_text(load_trained(str(path), device="cpu"), "Article 3", lambda _: None, max_new_tokens=12,
                             temperature=0).tolist() for path in (checkpoint, hf)]
     assert greedy[0] == greedy[1] and len(greedy[0]) == 12
+
+
+def test_the_cpu_moe_config_trains_its_preset_with_the_router_loss(distributed):
+    record = results(distributed["root"] / "config")
+    assert record["model"] == "qwen3-moe-tiny" and record["steps"] == STEPS and record["status"] == "ok"
+    metrics = read_metrics(max((distributed["root"] / "config").glob("lightning_logs/version_*/metrics.csv")))
+    assert len(metrics["train/aux_loss"]) == STEPS
+    assert len(record["moe_tokens_per_expert"]) == 2 and len(record["moe_tokens_per_expert"][0]) == 8

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from lit_fsdp.commands.main import main
+from lit_fsdp.presets import build_config
 from tests.helpers import assert_export_gives_logits, checkpoint_every, digests, fit, record
 
 STEPS = 8
@@ -37,3 +41,20 @@ def test_exported_folder_loads_with_from_pretrained_and_gives_the_same_logits(tm
     fit(tmp_path, steps=3, callbacks=[checkpoint_every(3, ckpts),
                                       {"class_path": "tests.probes.SaveLogits", "init_args": {"path": str(logits_file)}}])
     assert_export_gives_logits(ckpts / "last.ckpt", logits_file, tmp_path)
+
+
+def test_the_export_of_a_run_trained_on_token_ids_says_it_has_no_tokenizer(tmp_path, capsys):
+    """A checkpoint as the quickstart (synthetic token ids) writes one: no tokenizer to export, which the folder's
+    user would otherwise learn only when fine-tuning it."""
+    config = build_config("gpt2-tiny")
+    model = AutoModelForCausalLM.from_config(config)
+    checkpoint = tmp_path / "last.ckpt"
+    torch.save({"hf_config": config.to_dict(), "tokenizer_files": None,
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, checkpoint)
+    main(["export", str(checkpoint), str(tmp_path / "hf")])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"exported {checkpoint} to {tmp_path / 'hf'}",
+                   f"no tokenizer: this run trained on token ids, so {tmp_path / 'hf'} holds none; fine-tuning it, "
+                   "generate and evaluate need one: export a run that trained on text, such as "
+                   "configs/wikipedia.yaml's, or give --tokenizer_path FOLDER"], out
+    assert not list((tmp_path / "hf").glob("tokenizer*")) and (tmp_path / "hf" / "model.safetensors").is_file()

@@ -69,8 +69,8 @@ def check(parser: ArgumentParser, args: list[str], command: str) -> None:
     if unknown:
         values = sum(mistake.is_value for mistakes in unknown.values() for mistake in mistakes)
         keys = sum(map(len, unknown.values())) - values
-        counted = [f"{count} unknown {noun}{'s' if count > 1 else ''}" for count, noun in ((keys, "key"), (values, "value"))
-                   if count]
+        counted = [f"{count} unknown {noun}{'s' if count > 1 else ''}"
+                   for count, noun in ((keys, "key"), (values, "value")) if count]
         help_line = f"python -m lit_fsdp {command} --help lists the options"
         if keys + values == 1:  # one mistake: one line
             ((where, (mistake,)),) = unknown.items()
@@ -112,7 +112,8 @@ def _nested(key: str, value: str | None) -> dict[str, Any]:
 
 
 def _mapping(value: str) -> Any:
-    """A command line's ``{...}`` value as YAML reads it; the text itself where it is no YAML (jsonargparse says why)."""
+    """A command line's ``{...}`` value as YAML reads it; the text itself where it is no YAML (jsonargparse then
+    says why)."""
     try:
         return yaml.safe_load(value)
     except yaml.YAMLError:

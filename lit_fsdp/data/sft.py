@@ -411,9 +411,10 @@ class SFTDataModule(BlockDataModule):
         if Path(folder).is_dir() and not holds_tokenizer(folder):  # else AutoTokenizer makes one of no tokens
             raise ValueError(
                 f"--model.pretrained_path {given or pretrained}: the base folder has no tokenizer (a run trained on "
-                "token ids, as the quickstart's is, exports none), and fine-tuning renders its samples with the base's; "
-                "fine-tune a run that trained on text, such as configs/wikipedia.yaml's, exported (configs/"
-                "sft_full.yaml's header says how), or give --data.tokenizer_path the tokenizer the base was trained with")
+                "token ids, as the quickstart's is, exports none), and fine-tuning renders its samples with the "
+                "base's; fine-tune a run that trained on text, such as configs/wikipedia.yaml's, exported (configs/"
+                "sft_full.yaml's header says how), or give --data.tokenizer_path the tokenizer the base was trained "
+                "with")
         return load_tokenizer(folder)
 
     def _cache(self, source: Corpus, renderer: ChatRenderer, local_rank: int) -> tuple[Path, dict[str, Any]]:
