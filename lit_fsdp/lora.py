@@ -44,8 +44,8 @@ from lit_fsdp.weights import clean_name, write_shard
 #: Mixture-of-experts families whose experts are fused 3D tensors (transformers 5) of the same names.
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 #: Targets when ``--model.lora`` names none: every linear layer of the attention and the MLP. The Llama-like families
-#: share Llama's module names; Phi-3 fuses Q, K, V (qkv_proj) and gate and up (gate_up_proj). A mixture of experts'
-#: MLP is not linear layers: its attention's alone (its experts: ``DEFAULT_TARGET_PARAMETERS``).
+#: share Llama's module names; Phi-3 fuses Q, K, V (qkv_proj) and gate and up (gate_up_proj). A mixture of experts:
+#: its attention's (its experts: ``DEFAULT_TARGET_PARAMETERS``; Qwen2-MoE's linear shared expert only if named).
 DEFAULT_TARGETS: dict[str, list[str]] = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     **{family: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
