@@ -135,7 +135,9 @@ def _tied_and_buffers(model: nn.Module) -> set[str]:
     """State-dict names that are not parameters to fill: tied duplicates (a tied head) and persistent buffers."""
     from lit_fsdp.weights import clean_name
 
-    return {clean_name(name) for name in model.state_dict(keep_vars=True)}
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    names += [name for name, _ in model.named_buffers(remove_duplicate=False)]
+    return {clean_name(name) for name in names}
 
 
 def _ignored(model: nn.Module, name: str) -> bool:
