@@ -289,3 +289,12 @@ def test_the_cpu_moe_config_trains_its_preset_with_the_router_loss(distributed):
     metrics = read_metrics(max((distributed["root"] / "config").glob("lightning_logs/version_*/metrics.csv")))
     assert len(metrics["train/aux_loss"]) == STEPS
     assert len(record["moe_tokens_per_expert"]) == 2 and len(record["moe_tokens_per_expert"][0]) == 8
+
+
+def test_token_ids_past_a_pretrained_models_vocabulary_are_refused_before_any_process_starts(checkpoints, tmp_path):
+    result = cli_in_process("fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--model.pretrained_path",
+                            str(checkpoints["mixtral", "fused"]), "--data.vocab_size", "600",
+                            "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path)
+    lines = [line for line in result.stderr.splitlines() if "vocabulary" in line]
+    assert result.returncode != 0 and len(lines) == 1
+    assert "token ids run to 599, past the model's vocabulary of 512" in lines[0]

@@ -17,8 +17,10 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from callbacks.comm_profiler import CommProfiler
+from callbacks.interrupt import InterruptCheckpoint, interrupted
 from callbacks.offload import OffloadStats
 from callbacks.results import Results
 from callbacks.throughput import Throughput
@@ -181,10 +183,23 @@ class LitFsdpCLI(LightningCLI):
                 f"--data.seq_len {seq_len} is longer than the model's {positions} positions; lower it or raise "
                 "max_position_embeddings (n_positions for GPT-2) with --model.config_overrides"
             )
+        embedded, data_vocab = getattr(self.model.hf_config(self.datamodule), "vocab_size", None), getattr(
+            self.datamodule, "vocab_size", None)
+        # Token ids without a tokenizer (synthetic data) past a pretrained model's vocabulary, which it keeps
+        if embedded and data_vocab and data_vocab > embedded and getattr(self.datamodule, "tokenizer", None) is None:
+            raise ValueError(
+                f"the data's token ids run to {data_vocab - 1}, past the model's vocabulary of {embedded} "
+                f"(--model.pretrained_path {self.model.hparams.get('pretrained_path')}); give data tokenized with the "
+                "model's own tokenizer, or --data.vocab_size at most its vocabulary"
+            )
         # A fixed checkpoint folder (not one per logger version) is what makes `--ckpt_path last` find it.
         for callback in self.trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = os.path.realpath(os.path.join(self.trainer.default_root_dir, "checkpoints"))
+        saving = [callback.dirpath for callback in self.trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
+        for callback in self.trainer.checkpoint_callbacks:  # an interrupt's checkpoint goes beside the others
+            if isinstance(callback, InterruptCheckpoint) and not callback.dirpath:
+                callback.dirpath = saving[0] if saving else os.path.join(self.trainer.default_root_dir, "checkpoints")
         checkpoints.check_writable(Path(self.trainer.default_root_dir), "--trainer.default_root_dir")
         for callback in self.trainer.checkpoint_callbacks:
             checkpoints.check_writable(Path(callback.dirpath), "the ModelCheckpoint's dirpath")
@@ -233,8 +248,8 @@ class LitFsdpCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, with a CommProfiler if ``comm_profiler`` asks for one and none is listed, an OffloadStats under
-        SlideFSDP unless one is listed, and our progress bar (short names, no ``Epoch 2/-2``; plain lines where stdout
-        is no terminal) unless it is off or one is configured."""
+        SlideFSDP unless one is listed, an InterruptCheckpoint where a ModelCheckpoint saves, and our progress bar
+        (short names, no ``Epoch 2/-2``; plain lines where stdout is no terminal) unless it is off or one is configured."""
         config = self._get(self.config_init, "trainer", default={})
         accelerator = config.get("accelerator")
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # Lightning's own answer is a traceback
@@ -252,6 +267,9 @@ class LitFsdpCLI(LightningCLI):
             # before Results, which comes last to record the others' summaries
             results = next((index for index, c in enumerate(callbacks) if isinstance(c, Results)), len(callbacks))
             callbacks.insert(results, OffloadStats())
+        if any(isinstance(c, ModelCheckpoint) for c in callbacks) and not any(isinstance(c, InterruptCheckpoint)
+                                                                              for c in callbacks):
+            callbacks.append(InterruptCheckpoint())  # Ctrl-C and preemption save the step reached
         peak = self._get(self.config_init, "peak_tflops")
         if peak is not None:
             if peak <= 0:
@@ -269,6 +287,8 @@ class LitFsdpCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
+        except SIGTERMException:  # Ctrl-C or a preemption signal, after InterruptCheckpoint saved the step reached
+            sys.exit(interrupted(self.trainer))
         except Exception as error:
             strategy = self.trainer.strategy
             launched = getattr(getattr(strategy, "launcher", None), "procs", None) or []
