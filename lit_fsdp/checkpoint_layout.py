@@ -6,6 +6,8 @@ transformers 5 holds a mixture-of-experts layer's experts as fused 3D tensors (`
 rules (``transformers.conversion_mapping``) say how each family's names and tensors map, in both directions; this
 module applies them to our sharded parameters instead of writing rules of our own:
 
+- ``check_layout``: from the files' headers alone, a tensor no parameter takes, a parameter none fills, a shape or
+  an expert count that does not match: refused in one line, by the launcher before any process starts.
 - ``load_converted``: the checkpoint's tensors, renamed and merged as ``from_pretrained`` does, into the local shard
   of each parameter. Each tensor is read through transformers' shard-on-read (``DtensorShardOperation``): a rank reads
   only the rows of its shard, and of a per-expert list only the experts of its shard. Every target is converted and
@@ -19,6 +21,7 @@ guarded by a round-trip test (tests/test_moe_load.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection
 from copy import deepcopy
 from pathlib import Path
@@ -48,55 +51,99 @@ def conversion_rules(model: nn.Module) -> list[WeightRenaming | WeightConverter]
     return get_model_conversion_mapping(model)
 
 
-def load_converted(model: nn.Module, folder: Path, weight_map: dict[str, str], params: dict[str, torch.Tensor],
-                   skip: Collection[str] = ()) -> None:
-    """Write the tensors of the safetensors files ``weight_map`` names (key -> file in ``folder``) into ``params``
-    (clean name -> parameter, a DTensor shard or a whole tensor), converted by ``conversion_rules``; ``skip``:
-    parameters that are not in the checkpoint (LoRA's adapters)."""
+def _rules(model: nn.Module) -> tuple[list[WeightRenaming], list[WeightConverter]]:
+    rules = conversion_rules(model)
+    return ([rule for rule in rules if isinstance(rule, WeightRenaming)],
+            [rule for rule in rules if isinstance(rule, WeightConverter)])
+
+
+def check_layout(model: nn.Module, folder: Path, weight_map: dict[str, str], params: dict[str, torch.Tensor],
+                 known: Collection[str] = ()) -> dict[str, list[tuple[str, str | None]]]:
+    """Refuse in one line a checkpoint (``weight_map``: key -> file in ``folder``) that does not fill ``params`` (clean
+    name -> parameter; ``known``: other names a checkpoint may hold or lack, LoRA's adapters, a tied head, the
+    buffers): a tensor no parameter takes, a parameter
+    no tensor fills, a tensor renamed alone of another shape, a converter's sources in unequal numbers (an expert
+    missing). Reads the files' headers only, so the launcher checks a folder before any process starts. Returns each
+    parameter's sources: (checkpoint key, the converter's pattern it matched, or None where it is renamed alone)."""
     from safetensors import safe_open
 
-    rules = conversion_rules(model)
-    renamings = [rule for rule in rules if isinstance(rule, WeightRenaming)]
-    converters = [rule for rule in rules if isinstance(rule, WeightConverter)]
+    renamings, converters = _rules(model)
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
-    known = set(params) | set(skip) | _tied_and_buffers(model)
+    known = set(params) | set(known)
     prefix = getattr(model, "base_model_prefix", None)
-    handles: dict[str, Any] = {}
-    targets: dict[str, WeightRenaming | WeightConverter] = {}
+    sources: dict[str, list[tuple[str, str | None]]] = {}
+    filled: set[str] = set()
     unexpected: list[str] = []
     for key in sorted(weight_map, key=dot_natural_key):
         target, pattern = rename_source_key(key, renamings, converters, prefix, params)
         if target not in params and key in params:  # a name the rules would rename but the model holds as it is
             target, pattern = key, None
-        if target not in params:
-            if target not in known and not _ignored(model, target):
-                unexpected.append(key)
-            continue
-        if pattern is not None:
-            mapping = targets.setdefault(target, deepcopy(by_pattern[pattern]))
-        else:
-            mapping = targets.setdefault(target, WeightRenaming(key, target))
-            pattern = key
-        param = params[target]
-        file = weight_map[key]
-        if file not in handles:
-            handles[file] = safe_open(str(folder / file), framework="pt")
-        if isinstance(mapping, WeightRenaming):
-            shape = list(handles[file].get_slice(key).get_shape())
-            if shape != list(param.shape):
-                raise OneLineError(f"{folder} holds {key!r} of shape {shape}, where the model's {target!r} is "
-                                   f"{list(param.shape)}; is it the same architecture and config.json?")
-        index = len(mapping.collected_tensors.get(pattern, [])) if isinstance(mapping, WeightConverter) else None
-        reader = spawn_materialize(None, handles[file].get_slice(key), dtype=param.dtype,
-                                   sharding_op=DtensorShardOperation(param) if isinstance(param, DTensor) else None,
-                                   tensor_idx=index)
-        mapping.add_tensor(target, key, pattern, reader)
+        if target in params:
+            sources.setdefault(target, []).append((key, pattern))
+            # a converter that splits (q, k, v from one tensor) is keyed by its first target and fills the others
+            filled.update(target.replace(by_pattern[pattern].target_patterns[0], other)
+                          for other in (by_pattern[pattern].target_patterns if pattern is not None else ()))
+        elif target not in known and not _ignored(model, target):
+            unexpected.append(key)
     if unexpected:
         raise OneLineError(f"{folder} holds {unexpected[0]!r}, which {type(model).__name__} has no parameter for "
                            f"({len(unexpected)} such tensors); is it the same architecture?")
+    missing = [name for name in params if name not in sources and name not in filled]
+    if missing:
+        raise OneLineError(f"{folder} has no weight for parameter {missing[0]!r} ({len(missing)} missing); is it the "
+                           "same architecture?")
+    with contextlib.ExitStack() as files:
+        handles: dict[str, Any] = {}
+        for target, keys in sources.items():
+            counts = {}
+            for key, pattern in keys:
+                if pattern is not None:
+                    counts[pattern] = counts.get(pattern, 0) + 1
+                    continue
+                file = weight_map[key]
+                if file not in handles:
+                    handles[file] = files.enter_context(safe_open(str(folder / file), framework="pt"))
+                shape = list(handles[file].get_slice(key).get_shape())
+                if shape != list(params[target].shape):
+                    raise OneLineError(f"{folder} holds {key!r} of shape {shape}, where the model's {target!r} is "
+                                       f"{list(params[target].shape)}; is it the same architecture and config.json?")
+            if len(set(counts.values())) > 1:
+                found = ", ".join(f"{count} of {pattern}" for pattern, count in counts.items())
+                raise OneLineError(f"{folder} holds {found} for {target!r}; is one missing, or is config.json another "
+                                   "model's?")
+    return sources
+
+
+def load_converted(model: nn.Module, folder: Path, weight_map: dict[str, str], params: dict[str, torch.Tensor],
+                   known: Collection[str] = ()) -> None:
+    """Write the tensors of the safetensors files ``weight_map`` names (key -> file in ``folder``) into ``params``
+    (clean name -> parameter, a DTensor shard or a whole tensor), converted by ``conversion_rules``; ``known``:
+    other names it may hold or lack (``check_layout``, first)."""
+    from safetensors import safe_open
+
+    sources = check_layout(model, folder, weight_map, params, known)
+    _, converters = _rules(model)
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    handles: dict[str, Any] = {}
+    targets: dict[str, WeightRenaming | WeightConverter] = {}
+    for target, keys in sources.items():
+        param = params[target]
+        for key, pattern in keys:
+            if pattern is not None:
+                mapping = targets.setdefault(target, deepcopy(by_pattern[pattern]))
+            else:
+                mapping = targets.setdefault(target, WeightRenaming(key, target))
+                pattern = key
+            file = weight_map[key]
+            if file not in handles:
+                handles[file] = safe_open(str(folder / file), framework="pt")
+            index = len(mapping.collected_tensors.get(pattern, [])) if isinstance(mapping, WeightConverter) else None
+            reader = spawn_materialize(None, handles[file].get_slice(key), dtype=param.dtype,
+                                       sharding_op=DtensorShardOperation(param) if isinstance(param, DTensor) else None,
+                                       tensor_idx=index)
+            mapping.add_tensor(target, key, pattern, reader)
     info = LoadStateDictInfo(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(), conversion_errors={},
                              error_msgs=[], skipped_pp_keys=set())
-    loaded: set[str] = set()
     for first, mapping in targets.items():
         if _local(params[first]).numel() == 0:  # fewer experts than ranks: this rank holds none of them
             continue
@@ -118,26 +165,12 @@ def load_converted(model: nn.Module, folder: Path, weight_map: dict[str, str], p
                                    f"where its shard of the model's {list(params[name].shape)} is {list(local.shape)}; "
                                    "is it the same architecture and config.json?")
             local.copy_(value)
-            loaded.add(name)
-    missing = [name for name in params if name not in loaded and _local(params[name]).numel() > 0]
-    if missing:
-        raise OneLineError(f"{folder} has no weight for parameter {missing[0]!r} ({len(missing)} missing); is it the "
-                           "same architecture?")
 
 
 def checkpoint_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state_dict`` (the model's names) under the checkpoint's names, as ``save_pretrained`` writes them: per-expert
     tensors for the mixture-of-experts families whose Hub checkpoints hold them so."""
     return revert_weight_conversion(model, dict(state_dict))
-
-
-def _tied_and_buffers(model: nn.Module) -> set[str]:
-    """State-dict names that are not parameters to fill: tied duplicates (a tied head) and persistent buffers."""
-    from lit_fsdp.weights import clean_name
-
-    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
-    names += [name for name, _ in model.named_buffers(remove_duplicate=False)]
-    return {clean_name(name) for name in names}
 
 
 def _ignored(model: nn.Module, name: str) -> bool:

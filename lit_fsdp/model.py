@@ -26,7 +26,7 @@ from lit_fsdp.lightning_compat import reopen_cut_epoch
 from lit_fsdp.lora import LoraConfig
 from lit_fsdp.loss import IGNORE_INDEX, LossHead, step_normalised, target_count
 from lit_fsdp.presets import build_config
-from lit_fsdp.weights import init_by_unit, load_by_shard, parameters_on_meta
+from lit_fsdp.weights import check_pretrained, has_weights, init_by_unit, load_by_shard, parameters_on_meta
 
 try:  # transformers >= 5
     from transformers.initialization import no_init_weights
@@ -102,12 +102,15 @@ class CausalLM(pl.LightningModule):
         if loss_chunk_tokens < 0:
             raise ValueError(f"--model.loss_chunk_tokens is {loss_chunk_tokens}; give a positive number of tokens, "
                              "or 0 for the plain loss")
-        if self._lora is not None:  # an unknown target or trained module fails here, before any process starts
-            with torch.device("meta"):
-                lora_adapters.attach(AutoModelForCausalLM.from_config(self.hf_config()), self._lora)
-        if float8 != "off":  # an unknown recipe, torchao missing or nothing to convert fails here too
-            with torch.device("meta"):
-                float8_compute.check(float8, AutoModelForCausalLM.from_config(self.hf_config()))
+        if self.pretrained_folder is not None or self._lora is not None or float8 != "off":
+            with torch.device("meta"):  # the network's shape alone, to check what follows against it
+                network = AutoModelForCausalLM.from_config(self.hf_config())
+            # Here, in the launcher, before any process starts: each would say it once
+            if self.pretrained_folder is not None and has_weights(self.pretrained_folder):  # (estimate reads the config
+                check_pretrained(network, self.pretrained_folder)  # alone) tensors missing, unexpected, mis-shaped
+            float8_compute.check(float8, network)  # an unknown recipe, torchao missing or nothing to convert
+            if self._lora is not None:  # an unknown target or trained module
+                lora_adapters.attach(network, self._lora)
         self.model: torch.nn.Module | None = None
         self.expert_load: router.ExpertLoad | None = None  # a mixture of experts' tokens per expert (configure_model)
         self.val_loss = MeanMetric()

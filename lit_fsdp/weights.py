@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lit_fsdp.checkpoint_layout import check_layout, load_converted
+
 # Wrappers that FSDP2, activation checkpointing and torch.compile add to parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -123,16 +125,14 @@ def init_by_unit(
                     done.add(id(param))
 
 
-def load_by_shard(model: nn.Module, folder: str | Path, skip: Collection[str] = ()) -> None:
-    """Fill every parameter but those named in ``skip`` (clean names: LoRA's adapters) from the safetensors files of
-    a Hugging Face folder, reading only local rows.
+def has_weights(folder: str | Path) -> bool:
+    """Whether a Hugging Face folder holds its safetensors weights (or only its config, as ``estimate`` needs)."""
+    return any((Path(folder) / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
 
-    The checkpoint's names are mapped to the model's by transformers' own conversion rules (``checkpoint_layout``):
-    a mixture-of-experts checkpoint with one tensor per expert fills the model's fused 3D expert tensors, each rank
-    reading only the experts of its shard. A missing, unexpected or mis-shaped tensor is refused in one line.
-    """
-    from lit_fsdp.checkpoint_layout import load_converted
 
+def checkpoint_files(folder: str | Path) -> dict[str, str]:
+    """Each tensor of a Hugging Face folder's safetensors files and the file that holds it; a folder without them, or
+    an index naming a file outside the folder, is refused in one line."""
     folder = Path(folder)
     index_file = folder / "model.safetensors.index.json"
     if index_file.is_file():
@@ -153,6 +153,33 @@ def load_by_shard(model: nn.Module, folder: str | Path, skip: Collection[str] = 
             key = next(k for k, v in weight_map.items() if v == file)
             raise ValueError(f"{index_file} maps {key!r} to {file!r}, which is not a file inside {folder}; "
                              "use the index that save_pretrained wrote with the weights")
-    params = {clean_name(name): param for name, param in model.named_parameters()}
+    return weight_map
+
+
+def _parameters(model: nn.Module, skip: Collection[str]) -> dict[str, torch.Tensor]:
+    return {key: param for key, param in ((clean_name(n), p) for n, p in model.named_parameters()) if key not in skip}
+
+
+def _state_names(model: nn.Module) -> set[str]:
+    """Every state-dict name of ``model`` (tied duplicates and persistent buffers too), without wrapper prefixes."""
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    return {clean_name(name) for name in names + [name for name, _ in model.named_buffers(remove_duplicate=False)]}
+
+
+def check_pretrained(model: nn.Module, folder: str | Path, skip: Collection[str] = ()) -> None:
+    """Refuse in one line a folder whose tensors do not fill ``model`` (built on the meta device will do), from the
+    files' headers alone: what the launcher checks before any process starts (``checkpoint_layout.check_layout``)."""
+    check_layout(model, Path(folder), checkpoint_files(folder), _parameters(model, skip), {*skip, *_state_names(model)})
+
+
+def load_by_shard(model: nn.Module, folder: str | Path, skip: Collection[str] = ()) -> None:
+    """Fill every parameter but those named in ``skip`` (clean names: LoRA's adapters) from the safetensors files of
+    a Hugging Face folder, reading only local rows.
+
+    The checkpoint's names are mapped to the model's by transformers' own conversion rules (``checkpoint_layout``):
+    a mixture-of-experts checkpoint with one tensor per expert fills the model's fused 3D expert tensors, each rank
+    reading only the experts of its shard. A missing, unexpected or mis-shaped tensor is refused in one line.
+    """
     with torch.no_grad():
-        load_converted(model, folder, weight_map, {k: v for k, v in params.items() if k not in skip}, skip)
+        load_converted(model, Path(folder), checkpoint_files(folder), _parameters(model, skip),
+                       {*skip, *_state_names(model)})

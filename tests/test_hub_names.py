@@ -88,11 +88,10 @@ def test_a_model_and_its_tokenizer_load_by_hub_name_from_the_cache(sources, cach
 
     # the tokenizer taken from the model, and one named by --data.tokenizer_path
     data = SFTDataModule(train_path=str(SFT_SAMPLES / "train.jsonl"), seq_len=64)
-    data.trainer = type("Trainer", (), {"lightning_module": module})()
     named = SFTDataModule(train_path=str(SFT_SAMPLES / "train.jsonl"), tokenizer_path="owner/tiny", seq_len=64)
     words = "reverse: sea sky"
     expected_ids = AutoTokenizer.from_pretrained(sources["tiny"])(words)["input_ids"]
-    assert data._model_tokenizer()(words)["input_ids"] == expected_ids == named.tokenizer(words)["input_ids"]
+    assert data._model_tokenizer(module)(words)["input_ids"] == expected_ids == named.tokenizer(words)["input_ids"]
 
 
 def test_a_revision_resolves_by_commit_and_by_branch(sources, cache):

@@ -97,16 +97,26 @@ EXPERT = "model.layers.1.mlp.experts.2.up_proj.weight"
 
 
 @pytest.mark.parametrize("change, expected", [
-    (lambda t: t.pop(EXPERT), "'model.layers.1.mlp.experts.gate_up_proj' do not convert"),
+    (lambda t: t.pop(EXPERT), "4 of mlp.experts.*.gate_proj.weight, 3 of mlp.experts.*.up_proj.weight for "
+                              "'model.layers.1.mlp.experts.gate_up_proj'"),
     (lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}), "holds 'model.layers.0.mlp.extra.weight'"),
     (lambda t: t.update({EXPERT: torch.zeros(3, 32)}), "model.layers.1.mlp.experts.gate_up_proj"),
+    (lambda t: t.pop("model.layers.0.mlp.experts.3.down_proj.weight"), "model.layers.0.mlp.experts.down_proj"),
     (lambda t: t.update({"model.norm.weight": torch.zeros(31)}), "'model.norm.weight' of shape [31]"),
-], ids=["missing-expert", "unexpected", "mis-shaped-expert", "mis-shaped"])
+], ids=["missing-expert", "unexpected", "mis-shaped-expert", "mis-shaped", "missing-expert-alone"])
 def test_a_missing_unexpected_or_mis_shaped_tensor_is_one_line_naming_it(checkpoints, tmp_path, change, expected):
     folder = rewritten(checkpoints["qwen3_moe", "per_expert"], tmp_path / "bad", change)
     with pytest.raises((OneLineError, ValueError)) as error:
         loaded(folder)
     assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_checkpoint_that_does_not_fill_the_model_is_said_once_by_the_launcher(checkpoints, tmp_path):
+    folder = rewritten(checkpoints["qwen3_moe", "per_expert"], tmp_path / "bad", lambda t: t.pop(EXPERT))
+    result = cli_in_process("fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--model.pretrained_path",
+                            str(folder), "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path)
+    lines = [line for line in result.stderr.splitlines() if "gate_up_proj" in line]
+    assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("lit_fsdp: error:")
 
 
 def test_a_quantized_checkpoint_is_refused_in_one_line_with_how_to_dequantize_it(checkpoints, tmp_path):

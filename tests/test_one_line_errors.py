@@ -170,19 +170,31 @@ def test_a_base_folder_without_a_tokenizer_is_named_before_the_data_is_blamed(tm
     assert "configs/wikipedia.yaml's" in line and "--data.tokenizer_path" in line and "target" not in line, line
 
 
-def test_a_malformed_sample_line_is_said_once_whole_before_any_process_or_wandb_run_starts(tmp_path):
+@pytest.mark.parametrize("data", ["sft", "wikipedia"])
+def test_a_malformed_data_line_is_said_once_whole_before_any_process_or_wandb_run_starts(tmp_path, data):
     """Line 21 holds a raw tab inside a string: the launcher reads the file in its preflight (cli_in_process stops
     at Trainer.fit, before Lightning starts the second process), so the line is said once, with the decoder's
     position, and no W&B run is made."""
-    lines = (SFT_SAMPLES / "train.jsonl").read_text().splitlines()[:40]
-    lines[20] = '{"prompt": "reverse:\ta b", "completion": "b a"}'
     train = tmp_path / "train.jsonl"
-    train.write_text("\n".join(lines) + "\n")
-    result = cli_in_process(*sft_lora(tmp_path, save_sft_base(tmp_path / "base"), train), cwd=tmp_path)
+    if data == "sft":
+        lines = (SFT_SAMPLES / "train.jsonl").read_text().splitlines()[:40]
+        lines[20] = '{"prompt": "reverse:\ta b", "completion": "b a"}'
+        train.write_text("\n".join(lines) + "\n")
+        args = sft_lora(tmp_path, save_sft_base(tmp_path / "base"), train)
+        reason = "line 21 is not JSON (Invalid control character at: line 1 column 21 (char 20)); JSON Lines needs one " \
+                 "sample object per line"
+    else:
+        lines = write_lines(tmp_path / "good.jsonl", articles(30)).read_text().splitlines()
+        lines[20] = '{"title": "Tab", "text": "a\tb"}'
+        train.write_text("\n".join(lines) + "\n")
+        args = ["fit", "--config", str(QUICKSTART), "--config", str(REPO / "configs" / "wikipedia.yaml"),
+                "--data.train_path", str(train), "--data.val_path", "null", "--data.vocab_size", "300",
+                "--data.cache_dir", str(tmp_path / "cache"), "--trainer.default_root_dir", str(tmp_path / "run")]
+        reason = "malformed JSON on line 21 (Invalid control character at: line 1 column 28 (char 27)); JSON Lines " \
+                 "needs one object per line"
+    result = cli_in_process(*args, cwd=tmp_path)
     line = one_error_line(result.stderr)
-    assert result.returncode == 2 and line.startswith(
-        f"lit_fsdp: error: {train}: line 21 is not JSON (Invalid control character at: line 1 column 21 (char 20)); "
-        "JSON Lines needs one sample object per line"), line
+    assert result.returncode == 2 and line.startswith(f"lit_fsdp: error: {train}: {reason}"), line
     run = tmp_path / "run"  # the checkpoint folder, checked writable, and nothing else: no W&B files, no config
     assert [path.relative_to(run) for path in run.rglob("*")] == [Path("checkpoints")]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import os
 import sys
 import warnings
@@ -15,12 +16,14 @@ from jsonargparse import ArgumentError
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from callbacks.comm_profiler import CommProfiler
 from callbacks.interrupt import InterruptCheckpoint, interrupted
+from callbacks.model_summary import ModelSummary
 from callbacks.offload import OffloadStats
 from callbacks.results import Results
 from callbacks.throughput import Throughput
@@ -31,6 +34,7 @@ from offload import SlideFSDPStrategy  # importing offload registers the slide_f
 from lit_fsdp import checkpoints
 from lit_fsdp.data.blocks import BlockDataModule, check_same_global_batch
 from lit_fsdp.ddp import DDPStrategy
+from lit_fsdp.data.synthetic import SyntheticDataModule
 from lit_fsdp.errors import OneLineError, PeerLostError, lost_peer
 from lit_fsdp.commands import config_keys
 from lit_fsdp.commands.help import PlainHelpFormatter
@@ -89,6 +93,10 @@ warnings.filterwarnings(
     "ignore", message=r"\s*(By default only one JsonargparseDeprecationWarning|\S.* was deprecated in v4\.)",
     category=DeprecationWarning, module=r"lightning\.pytorch\.cli",
 )
+# Lightning 2.6 advertises litlogger and litmodels ("💡 Tip: ...") at every Trainer, with no setting to turn it off:
+# dropped where its info lines are made (Lightning's or Fabric's logger, whichever imported last).
+for _name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    logging.getLogger(_name).addFilter(lambda record: not str(record.msg).startswith("💡 Tip:"))
 
 
 #: LightningCLI's optimizer options: CausalLM.configure_optimizers decides what they would replace.
@@ -186,7 +194,7 @@ class LitFsdpCLI(LightningCLI):
         embedded, data_vocab = getattr(self.model.hf_config(self.datamodule), "vocab_size", None), getattr(
             self.datamodule, "vocab_size", None)
         # Token ids without a tokenizer (synthetic data) past a pretrained model's vocabulary, which it keeps
-        if embedded and data_vocab and data_vocab > embedded and getattr(self.datamodule, "tokenizer", None) is None:
+        if isinstance(self.datamodule, SyntheticDataModule) and embedded and data_vocab and data_vocab > embedded:
             raise ValueError(
                 f"the data's token ids run to {data_vocab - 1}, past the model's vocabulary of {embedded} "
                 f"(--model.pretrained_path {self.model.hparams.get('pretrained_path')}); give data tokenized with the "
@@ -248,8 +256,9 @@ class LitFsdpCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, with a CommProfiler if ``comm_profiler`` asks for one and none is listed, an OffloadStats under
-        SlideFSDP unless one is listed, an InterruptCheckpoint where a ModelCheckpoint saves, and our progress bar
-        (short names, no ``Epoch 2/-2``; plain lines where stdout is no terminal) unless it is off or one is configured."""
+        SlideFSDP unless one is listed, an InterruptCheckpoint where a ModelCheckpoint saves, and our model summary and
+        progress bar (short names, no ``Epoch 2/-2``; plain lines where stdout is no terminal) unless each is off or
+        one is configured."""
         config = self._get(self.config_init, "trainer", default={})
         accelerator = config.get("accelerator")
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # Lightning's own answer is a traceback
@@ -277,6 +286,10 @@ class LitFsdpCLI(LightningCLI):
             for callback in callbacks:
                 if isinstance(callback, Throughput) and callback.peak_tflops is None:
                     callback.peak_tflops = peak
+        if config.get("enable_model_summary") is not False and not any(isinstance(c, LightningModelSummary)
+                                                                       for c in callbacks):
+            callbacks.append(ModelSummary())  # counts under every strategy; Lightning then adds none (and says nothing)
+            kwargs["enable_model_summary"] = False
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(progress_bar() if sys.stdout.isatty() else ProgressLines())  # a log: lines, not a bar
         kwargs.setdefault("callbacks", callbacks)

@@ -9,6 +9,7 @@ import functools
 import importlib
 import inspect
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -192,12 +193,20 @@ def _unknown_in_class(bases: list[type], value: Any, key: str, class_path: str |
 
 
 def _outside_choices(typehint: Any, value: Any, key: str) -> list[Mistake]:
-    """``value`` of an option typed with named choices (``Literal``, optionally ``Optional``) when it is none of them,
-    with the nearest; a value of any other type is left to jsonargparse."""
-    arguments = typing.get_args(typehint)
-    choices = [arg for arg in arguments if typing.get_origin(typehint) is Literal] or [
-        choice for arg in arguments if typing.get_origin(arg) is Literal for choice in typing.get_args(arg)]
-    if not isinstance(value, str) or not choices or not all(isinstance(choice, str) for choice in choices):
+    """``value`` of an option typed with named choices alone (``Literal``, optionally ``Optional``) when it is none
+    of them, with the nearest; an option that also takes another type (a number), and a value of any other type,
+    are left to jsonargparse."""
+    origin, arguments = typing.get_origin(typehint), typing.get_args(typehint)
+    if origin is Literal:
+        members = [typehint]
+    elif origin in (typing.Union, types.UnionType):  # not a list of choices: a command line gives that as text
+        members = [arg for arg in arguments if arg is not type(None)]
+    else:
+        return []
+    if not members or any(typing.get_origin(member) is not Literal for member in members):
+        return []
+    choices = [choice for member in members for choice in typing.get_args(member)]
+    if not isinstance(value, str) or not all(isinstance(choice, str) for choice in choices):
         return []
     if value in choices or (type(None) in arguments and value in ("null", "None")):
         return []
