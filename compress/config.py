@@ -70,7 +70,8 @@ METHODS: dict[str, Method] = {
     ),
     "lowrank": Method(
         "per-rank rank-r power iteration of reshaped chunks, MoE experts matrix by matrix (each rank its own factors)",
-        {"rank": 4, "cols": None}, LowRank, communicator=LOWRANK, fits=lambda n, **parameters: LowRank(**parameters).check_fits(n),
+        {"rank": 4, "cols": None}, LowRank, communicator=LOWRANK,
+        fits=lambda n, **parameters: LowRank(**parameters).check_fits(n),
     ),
     "powersgd": Method(
         "PowerSGD: rank-r per matrix, a Q shared by all ranks, P and Q summed natively, error feedback built in",

@@ -1,9 +1,9 @@
 """PowerSGD (Vogels et al., 2019) as FSDP2 communication hooks: rank-r gradients with a shared Q, error feedback, warm start.
 
 Per parameter matrix M (the gradient viewed as ``rows x rest``, as torch's ``powerSGD_hook`` does; a stacked
-parameter, three or more dimensions as a mixture-of-experts layer's fused experts, one matrix per row: E experts
-are E matrices of ``shape[1] x rest``, each with its own P and Q), every rank starts from the same Q (seeded by the unit's name and the parameter's index, then warm
-started from the last step), and:
+parameter of three or more dimensions, a mixture-of-experts layer's fused experts, is one matrix per row: E experts
+are E matrices of ``shape[1] x rest``, each with its own P and Q), every rank starts from the same Q (seeded by the
+unit's name and the parameter's index, then warm started from the last step), and:
 
 1. P = M Q, summed over ranks with the native all-reduce, then orthonormalised;
 2. Q = Mᵀ P, summed over ranks;
@@ -123,9 +123,10 @@ class PowerSGD(Residuals):
             for i in low_rank:
                 q = self.q.get(keys[i])
                 count, _, cols = corrected[i].shape
-                # a checkpoint from before stacks kept a weight's Q as (cols, rank): the same values
-                qs[i] = orthonormal(q.view(count, cols, ranks[i])) if q is not None and q.numel() == count * cols * ranks[i] \
-                    else self.initial_q(keys[i], count, cols, ranks[i], corrected[i].device)
+                if q is not None and q.numel() == count * cols * ranks[i]:  # a checkpoint from before stacks: (cols, rank)
+                    qs[i] = orthonormal(q.view(count, cols, ranks[i]))
+                else:
+                    qs[i] = self.initial_q(keys[i], count, cols, ranks[i], corrected[i].device)
             # P = M Q for every matrix, summed over ranks in one all-reduce, then orthonormalised
             ps = {i: torch.matmul(corrected[i], qs[i]) for i in low_rank}
             packed = torch.cat([ps[i].reshape(-1) for i in low_rank])
@@ -263,7 +264,8 @@ class PowerSGDAllReduce:
         averages = self.state.average(stacks, [f"{self.name}/{p.names[0]}" for p in layout.places], group, stats)
         out = reduce_output.view(-1)
         for place, view, average in zip(layout.places, views, averages):
-            out[place.shard_offset : place.shard_offset + place.chunk_numel].copy_(as_blocks(average, place, view).reshape(-1))
+            out[place.shard_offset : place.shard_offset + place.chunk_numel].copy_(
+                as_blocks(average, place, view).reshape(-1))
 
 
 def _sample(counters: HookCounters, gradients: list[torch.Tensor], averages: list[torch.Tensor], group: dist.ProcessGroup) -> None:

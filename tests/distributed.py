@@ -27,7 +27,9 @@ def free_port() -> int:
 
 #: What the forkserver imports before it forks a rank: what every rank would import first.
 PRELOAD = ["torch", "torch.distributed.fsdp", "lightning.pytorch", "transformers", "lit_fsdp.commands.cli",
-           "lit_fsdp.model", "offload.strategy", "tests.helpers"]
+           "lit_fsdp.model", "offload.strategy", "tests.helpers",
+           # the mixture-of-experts families the tests train (6 to 10 s of a first import in each spawn otherwise)
+           "transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.models.mixtral.modeling_mixtral"]
 multiprocessing.set_forkserver_preload(PRELOAD)
 
 

@@ -9,14 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from compress.communicator import CommStats
 from compress.communicators import LOWRANK
-from compress.config import METHODS
+from compress.config import METHODS, CompressionConfig
 from compress.layout import MatrixStack, UnitLayout
 from compress.lowrank import LowRank
 from compress.powersgd import PowerSGD, PowerSGDAllReduce, PowerSGDReduceScatter, compressed_fraction
+from lit_fsdp.presets import build_config
 from tests.distributed import fit_in_process, run
 from tests.helpers import REPO, fit_arguments, read_metrics
 
@@ -167,7 +170,8 @@ def test_lowrank_rank_above_an_expert_matrix_is_that_matrix_rank():
 # ------------------------------------------------------------------------------------------------ training
 
 
-STEPS = 2  # DiLoCo's: 3, a synchronisation of each of streaming's 3 fragments
+STEPS = 2
+DILOCO_STEPS = 3  # sync_every 3: one synchronisation, of each of streaming's 3 fragments
 KNOB = "--trainer.strategy.init_args.compression"
 STRATEGY = "--trainer.strategy.init_args"
 MOE = ["--model.preset", "qwen3-moe-tiny"]
@@ -179,6 +183,8 @@ WARMED = {
     "zero_one_adam": "{method: zero_one_adam, var_freeze_step: 1, local_step_clipper: 2}",  # an exact round, a sync
 }
 DILOCO = ("diloco", "diloco_streaming", "diloco_sparseloco")
+STATS = [{"class_path": "callbacks.CompressionStats"}]
+COUNTED = ("powersgd", "lowrank")  # their bytes are checked against E matrices' factors
 
 
 def method_arguments(method: str) -> list[str]:
@@ -187,13 +193,14 @@ def method_arguments(method: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory) -> Path:
-    """Every method (STEPS steps) and each DiLoCo config (3 steps, one synchronisation) of the tiny Qwen3-MoE, one
+    """Every method (STEPS steps) and each DiLoCo config (DILOCO_STEPS) of the tiny Qwen3-MoE, one
     after another in one spawn of 2 processes (the CLI in-process, no checkpoint written)."""
     root = tmp_path_factory.mktemp("moe")
-    runs = [fit_arguments(root / method, *MOE, *method_arguments(method), *NO_CHECKPOINT, steps=STEPS)
-            for method in METHODS]
+    runs = [fit_arguments(root / method, *MOE, *method_arguments(method), *NO_CHECKPOINT, steps=STEPS,
+                          callbacks=STATS if method in COUNTED else None) for method in METHODS]
     runs += [fit_arguments(root / config, *MOE, "--config", str(REPO / "configs" / f"{config}.yaml"),
-                           f"{STRATEGY}.sync_every", "3", *NO_CHECKPOINT, steps=3) for config in DILOCO]
+                           f"{STRATEGY}.sync_every", str(DILOCO_STEPS), *NO_CHECKPOINT, steps=DILOCO_STEPS)
+             for config in DILOCO]
     run(fit_in_process, root, runs)
     return root
 
@@ -201,4 +208,40 @@ def moe_runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", [*METHODS, *DILOCO])
 def test_each_method_and_diloco_trains_the_moe_preset_with_finite_losses(moe_runs, name):
     losses = read_metrics(max((moe_runs / name).glob("lightning_logs/version_*/metrics.csv")))["train/loss"]
-    assert len(losses) == (3 if name in DILOCO else STEPS) and all(math.isfinite(loss) for loss in losses), losses
+    assert len(losses) == (DILOCO_STEPS if name in DILOCO else STEPS), losses
+    assert all(math.isfinite(loss) for loss in losses), losses
+
+
+def moe_units(world: int = 2) -> list[UnitLayout]:
+    """The tiny Qwen3-MoE's units as FSDP2 reduce-scatters them (each decoder layer, the root), from rank 0's side."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_config("qwen3-moe-tiny"))
+    units: dict[str, list] = {}
+    for name, param in model.named_parameters():
+        units.setdefault(name.split(".")[2] if name.startswith("model.layers.") else "root", []).append(((name,), param))
+    return [UnitLayout.build(unit, params, world, 0) for unit, params in units.items()]
+
+
+def implied_ratio(method: str) -> float:
+    """fp32 bytes over the bytes ``method`` sends once compressing (2 ranks, every expert a matrix): what a rank
+    sends of one unit's reduce-scatter is its shard, of PowerSGD's ring all-reduces each value of P and Q, of
+    lowrank's all-to-all the other rank's payload."""
+    parameters = CompressionConfig(**yaml.safe_load(WARMED.get(method, f"{{method: {method}}}"))).parameters()
+    raw = sent = 0
+    for layout in moe_units():
+        raw += 4 * layout.shard_numel
+        if method == "powersgd":
+            sent += 4 * 2 * layout.shard_numel * compressed_fraction(PowerSGD(**parameters), layout, world=2)
+            continue
+        stacks, rank = layout.stacks(1), parameters["rank"]  # rank 1's row; rank 4 fits every expert matrix
+        rest = layout.shard_numel - sum(stack.end - stack.offset for stack in stacks)
+        cols = math.ceil(math.sqrt(rest))
+        factors = sum(stack.count * (stack.rows + stack.cols) for stack in stacks) + math.ceil(rest / cols) + cols
+        sent += 4 * rank * factors
+    return raw / sent
+
+
+@pytest.mark.parametrize("method", COUNTED)
+def test_low_rank_methods_send_the_factors_of_every_expert_matrix_in_training(moe_runs, method):
+    metrics = read_metrics(max((moe_runs / method).glob("lightning_logs/version_*/metrics.csv")))
+    assert metrics["compress/ratio_vs_fp32"][-1] == pytest.approx(implied_ratio(method), rel=1e-9)
