@@ -7,10 +7,25 @@ entropy rate, so training curves on this data have a known floor. Nothing is rea
 from __future__ import annotations
 
 import bisect
+import functools
 
 import numpy as np
 
 from lit_fsdp.data.blocks import BlockDataModule, TokenBlocks
+
+
+@functools.lru_cache(maxsize=4)
+def _chain(vocab_size: int, branching: int, concentration: float, seed: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The chain's successor sets and transition rows, drawn from ``seed``, and the generator's state after them.
+
+    Kept per process: drawing a 128k vocabulary's takes about 9 s (``choice`` without replacement is linear in the
+    vocabulary, per row), and the tests and ``estimate`` build the same sources many times in one process."""
+    rng = np.random.default_rng(seed)
+    # Sparse rows (vocab_size x branching): a dense matrix would not fit for a 50k vocabulary.
+    successors = np.stack([rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)])
+    probs = rng.dirichlet(np.full(branching, concentration), size=vocab_size)
+    successors.flags.writeable = probs.flags.writeable = False  # shared by every source of these arguments
+    return successors, probs, rng.bit_generator.state
 
 
 class MarkovSource:
@@ -23,15 +38,14 @@ class MarkovSource:
     def __init__(self, vocab_size: int, branching: int, concentration: float, seed: int):
         if not 2 <= branching <= vocab_size:
             raise ValueError(f"branching must be in [2, vocab_size={vocab_size}], got {branching}")
-        rng = np.random.default_rng(seed)
         self.vocab_size = vocab_size
-        # Sparse rows (vocab_size x branching): a dense matrix would not fit for a 50k vocabulary.
-        self.successors = np.stack([rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)])
-        self.probs = rng.dirichlet(np.full(branching, concentration), size=vocab_size)
+        self.successors, self.probs, state = _chain(vocab_size, branching, concentration, seed)
         self.stationary = self._stationary()
         self._successor_lists = self.successors.tolist()
         self._cumulative = np.cumsum(self.probs, axis=1).tolist()
-        self._rng = rng
+        self._rng = np.random.default_rng()
+        self._rng.bit_generator.state = state  # where the seeded generator stood after drawing the chain
+        self.key = (vocab_size, branching, concentration, seed)
 
     def _stationary(self) -> np.ndarray:
         # Power iteration on the lazy chain (same stationary distribution, guaranteed to converge).
@@ -103,5 +117,21 @@ class SyntheticDataModule(BlockDataModule):
         if hasattr(self, "train_set"):
             return
         # Both streams are generated up front, in the same order on every rank: a few MB at most.
-        self.train_set = TokenBlocks(self.source.sample(self.num_train_blocks * self.seq_len + 1), self.seq_len)
-        self.val_set = TokenBlocks(self.source.sample(self.num_val_blocks * self.seq_len + 1), self.seq_len)
+        train, val = _streams(self.source, self.num_train_blocks * self.seq_len + 1, self.num_val_blocks * self.seq_len + 1)
+        self.train_set = TokenBlocks(train, self.seq_len)
+        self.val_set = TokenBlocks(val, self.seq_len)
+
+
+_STREAMS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _streams(source: MarkovSource, train_tokens: int, val_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """``source``'s training then validation stream, kept per process by what determines them (its chain's arguments,
+    its generator's state and the lengths): a run's sampling is a Python loop over every token, repeated by each run
+    of a process. Read only: the arrays may be another run's too."""
+    key = (source.key, repr(source._rng.bit_generator.state), train_tokens, val_tokens)
+    if key not in _STREAMS:
+        train, val = source.sample(train_tokens), source.sample(val_tokens)
+        _STREAMS.clear()  # the last only: a few MB
+        _STREAMS[key] = train, val
+    return _STREAMS[key]
