@@ -24,6 +24,7 @@ CPU-side ``ProfilerStep#N`` windows, one per N and per optimizer step.
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -304,6 +305,10 @@ class CommProfiler(pl.Callback):
         self._trainer = trainer
         self._first_step = trainer.global_step  # ProfilerStep#0 is the first step of this fit (resumed or not)
         self._steps_done = 0
+        # torch's profiler library (kineto) prints "USDT: ... profiler_start" and "profiler_stop" on stderr at every
+        # profiled cycle; its least verbose level that still shows them also shows its errors, so this is 6, silent
+        # (read at the first profile; KINETO_LOG_LEVEL=4 set by the user shows errors, and those lines, again).
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [ProfilerActivity.CPU]
         if pl_module.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)

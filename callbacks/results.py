@@ -11,10 +11,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 import torch
 
 from callbacks.run_folder import append_jsonl, compression_method, folder, logged, run_name, write_json
-from callbacks.run_summary import summary_lines
+from callbacks.run_summary import RESUME, summary_lines
 from lit_fsdp.errors import error_line
 from lit_fsdp.wandb_logger import publish_summary
 from lit_fsdp.reporting import strategy_report
@@ -58,9 +59,20 @@ class Results(pl.Callback):
             run_name: Name of the run in the record and the logger; default: method, world size, seed and a timestamp.
         """
         self.run_name = run_name
+        self._name: str | None = None  # this run's, once fit starts: what its checkpoints say it is
+        self.resumed_from: str | None = None  # the run whose checkpoint this one started from
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._name = run_name(trainer)
         write_json(trainer, "environment.json", environment(trainer))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's name, in its checkpoints: a run resumed from one is that run's continuation (compare_runs joins
+        them)."""
+        return {"run_name": self._name}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.resumed_from = state_dict.get("run_name")
 
     def identity(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Who the run is and where it got to: what a failed run's record holds too."""
@@ -79,6 +91,7 @@ class Results(pl.Callback):
             "compress_config": None if compression is None else vars(compression),
             "strategy": report.label,  # ddp, fsdp2, slide_fsdp, ...
             "seed": int(os.environ["PL_GLOBAL_SEED"]) if "PL_GLOBAL_SEED" in os.environ else None,  # seed_everything
+            "resumed_from": self.resumed_from,
             "steps": trainer.global_step,
             "train_loss": logged(trainer, "train/loss"),
             "val_loss": logged(trainer, "val/loss"),
@@ -114,13 +127,18 @@ class Results(pl.Callback):
             print("\n".join(summary_lines(record, folder(trainer), Path(saving[0]) if saving else None)), flush=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """A run that fails still leaves its line (``status: failed`` and the reason), so sweeps and comparisons show it.
+        """A run that fails still leaves its line (``status: failed`` and the reason; ``interrupted`` after Ctrl-C or a
+        preemption signal), so sweeps and comparisons show it.
 
         Only what this rank knows is recorded: the other callbacks' summaries may need collectives,
         and a failed run's peers may be gone.
         """
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        record = finite_or_null({**self.identity(trainer, pl_module), "status": "failed", "error": error_line(exception)})
+        if isinstance(exception, SIGTERMException):  # Ctrl-C or preemption (callbacks.interrupt): stopped, not broken
+            outcome = {"status": "interrupted", "error": f"stopped by a signal after step {trainer.global_step}; {RESUME}"}
+        else:
+            outcome = {"status": "failed", "error": error_line(exception)}
+        record = finite_or_null({**self.identity(trainer, pl_module), **outcome})
         append_jsonl(trainer, "results.jsonl", record)
         publish_summary(trainer, record)

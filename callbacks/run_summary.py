@@ -8,6 +8,8 @@ from typing import Any
 #: The files a run folder may hold, in the order they are worth reading.
 RESULT_FILES = ("results.jsonl", "history.jsonl", "throughput.json", "compression.json", "comm_profile.json",
                 "host_syncs.json", "environment.json", "config.yaml")
+#: How a run goes on from its newest checkpoint: a run's last line says it, at its end or after an interrupt.
+RESUME = "resume with --ckpt_path last"
 
 
 def summary_lines(record: dict[str, Any], folder: Path, checkpoints: Path | None = None) -> list[str]:
@@ -31,5 +33,5 @@ def summary_lines(record: dict[str, Any], folder: Path, checkpoints: Path | None
     lines = [f"run {record.get('run_name')} {status}: {'; '.join(figures)}",
              f"run folder {folder.resolve()}: {', '.join(files) or 'no result files'}"]
     if checkpoints is not None:
-        lines.append(f"checkpoints in {checkpoints.resolve()} (resume with --ckpt_path last)")
+        lines.append(f"checkpoints in {checkpoints.resolve()} ({RESUME})")
     return lines

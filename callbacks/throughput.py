@@ -13,8 +13,7 @@ from transformers import PretrainedConfig
 
 from callbacks.run_folder import log_metrics, write_json
 from lit_fsdp.device_peaks import matmul_format, peak_tflops
-from lit_fsdp.flops import flops_per_token, matmul_shape
-from lit_fsdp.lora import adapter_parameters, trained_matrices
+from lit_fsdp.flops import lora_flops_per_token, matmul_shape
 from lit_fsdp.reporting import strategy_report
 
 
@@ -77,8 +76,7 @@ class Throughput(pl.Callback):
         self.world_size = 1
         self.recompute_flops = lambda config, seq_len: 0  # the strategy's, at train start
         self.model_config: PretrainedConfig | None = None
-        self.trained: int | None = None  # weights trained where the rest is frozen (LoRA's adapters); None: all
-        self.trained_matrices = 0  # the base's matrices trained beside LoRA's adapters (a head tied to embeddings)
+        self.lora: dict | None = None  # LoRA's settings: its adapters train, the base gets no weight gradients
         self.peak = peak_tflops  # the given peak, or the table's once training starts
         self.float8: str | None = None  # the blocks' float8 recipe (--model.float8); None: off
         self._start = 0.0
@@ -104,9 +102,7 @@ class Throughput(pl.Callback):
                 matmul_shape(config)
                 self.model_config = config
                 # a LoRA run trains its adapters (and chosen modules): no weight gradients for the frozen base
-                lora = pl_module.hparams.get("lora")
-                self.trained = adapter_parameters(config, lora) if lora else None
-                self.trained_matrices = trained_matrices(config, lora)
+                self.lora = pl_module.hparams.get("lora")
             except ValueError as error:
                 problems.append(str(error))
         self.peak = self.peak_tflops
@@ -177,7 +173,7 @@ class Throughput(pl.Callback):
             "flops_per_token": None, "peak_tflops": self.peak, "mfu": None, "hfu": None,
         }
         if self.model_config is not None and self.seq_len:
-            model_flops = flops_per_token(self.model_config, self.seq_len, self.trained, self.trained_matrices)
+            model_flops = lora_flops_per_token(self.model_config, self.seq_len, self.lora)
             summary["flops_per_token"] = model_flops
             if self.peak is not None:
                 per_device = tokens_per_s / self.world_size / (self.peak * 1e12)

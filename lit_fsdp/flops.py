@@ -36,8 +36,8 @@ the experts' matmuls sum to ``k`` experts' weights per token however unbalanced 
 the eager expert loop agrees: tests/test_moe_flops.py). Qwen3-30B-A3B: 3.35e9 of its 30.5e9 parameters active.
 This is torchtitan's convention (``get_moe_model_nparams_and_flops``: ``6 x (dense + sparse x top_k / num_experts)``
 with the router and shared experts among the dense weights, ``12 x layers x heads x head_dim x seq_len`` for
-attention), except that torchtitan leaves the embedding table out where a matmul would be its head (we count the
-head, the same matrix when untied, as it does) -- so MFUs of the two compare. Megatron-LM's
+attention): torchtitan counts every parameter but the token embedding (its norms too, a few thousand values), we the
+matrices; both count the head and not the embedding lookup, so MFUs of the two compare. Megatron-LM's
 ``num_floating_point_operations`` counts the routed (``moe_router_topk x moe_ffn_hidden_size``) and shared experts
 the same way but not the router, and attention's causal half (``seq_len / 2``): at 30B-A3B's shape and 4,096 tokens
 its count is 17.6% below ours (the router alone is 0.3%), so its MFU reads lower for the same run.
@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from transformers import PretrainedConfig
 
@@ -66,6 +67,15 @@ MIXTURES_OF_EXPERTS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 _EVERY_LAYER_WINDOWED = ("mistral", "phi3", "mixtral")
 
 
+class BlockMatmuls(NamedTuple):
+    """One block's weights a token uses, those of its last matrix (not recomputed by checkpointing) and those of its
+    ``nn.Linear`` layers (what ``--model.float8`` converts: not a MoE's router or fused experts)."""
+
+    weights: int
+    last: int
+    linear: int
+
+
 @dataclass(frozen=True)
 class MatmulShape:
     """What the FLOP count needs from a decoder-only transformer's config."""
@@ -76,23 +86,26 @@ class MatmulShape:
     head_weights: int  # the LM head: vocab x hidden
     last_weights: int  # the block's last matrix (the MLP's down projection), not recomputed by checkpointing; 0: MoE
     windows: tuple[int | None, ...] = ()  # each layer's attention window; None (or none given): every earlier key
-    # where blocks differ (a MoE with dense layers), each block's (block_weights, last_weights); empty: all the above
-    varied: tuple[tuple[int, int], ...] = ()
+    # where blocks differ (a MoE with dense layers), each block's; empty: every block has the ones above
+    varied: tuple[BlockMatmuls, ...] = ()
     # What a token's MLP holds for the backward (offload.activation_plan.block_activation_bytes), the widest block's:
     # its inner width (a dense MLP's intermediate; a MoE block's k x the expert's, plus a shared expert's), the copies
     # of its hidden state the experts take (k; 0: dense) and the router's logits (E; 0: dense)
     mlp_width: int = 0
     routed_copies: int = 0
     router_logits: int = 0
+    linear_weights: int | None = None  # of block_weights, those of nn.Linear layers (float8's); None: all of them
 
-    def each_block(self) -> list[tuple[int, int]]:
-        """Each block's (weights a token uses, weights of its last matrix)."""
-        return list(self.varied) or [(self.block_weights, self.last_weights)] * self.layers
+    def each_block(self) -> list[BlockMatmuls]:
+        """Each block's weights a token uses, its last matrix's and its linear layers'."""
+        same = BlockMatmuls(self.block_weights, self.last_weights,
+                            self.block_weights if self.linear_weights is None else self.linear_weights)
+        return list(self.varied) or [same] * self.layers
 
     @property
     def blocks_weights(self) -> int:
         """The weights a token uses in all the blocks."""
-        return sum(weights for weights, _ in self.each_block())
+        return sum(block.weights for block in self.each_block())
 
     def keys(self, seq_len: int) -> list[int]:
         """The keys each layer's queries are counted against: ``seq_len``, or the layer's window where shorter."""
@@ -135,16 +148,19 @@ def _moe_shape(config: PretrainedConfig) -> MatmulShape:
     attention, width = _attention(config)
     expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # Mixtral, OLMoE: one name
     shared = getattr(config, "shared_expert_intermediate_size", None) or 0  # Qwen2-MoE
-    # the router, k gated experts, and a shared gated expert with its one-output gate; all of it recomputed (above)
-    sparse = (attention + experts * hidden + 3 * hidden * k * expert
-              + (3 * hidden * shared + hidden if shared else 0), 0)
-    dense = (attention + 3 * hidden * config.intermediate_size, config.intermediate_size * hidden)
+    # the router, k gated experts, and a shared gated expert with its one-output gate; all of it recomputed (above).
+    # Its linear layers: the attention's and the shared expert's (its gate's one output is no float8 matmul's)
+    shared_mlp = 3 * hidden * shared
+    routed = experts * hidden + 3 * hidden * k * expert
+    sparse = BlockMatmuls(attention + routed + (shared_mlp + hidden if shared else 0), 0, attention + shared_mlp)
+    dense_mlp = 3 * hidden * config.intermediate_size
+    dense = BlockMatmuls(attention + dense_mlp, config.intermediate_size * hidden, attention + dense_mlp)
     blocks = [sparse if is_sparse else dense for is_sparse in sparse_layers(config)]
     widths = [k * expert + shared if is_sparse else config.intermediate_size for is_sparse in sparse_layers(config)]
-    weights, last = max(blocks)
-    return MatmulShape(config.num_hidden_layers, weights, width, config.vocab_size * hidden, last,
+    largest = max(blocks)
+    return MatmulShape(config.num_hidden_layers, largest.weights, width, config.vocab_size * hidden, largest.last,
                        attention_windows(config), tuple(blocks) if len(set(blocks)) > 1 else (),
-                       max(widths), k, experts)
+                       max(widths), k, experts, largest.linear)
 
 
 def matmul_shape(config: PretrainedConfig) -> MatmulShape:
@@ -198,6 +214,44 @@ def flops_per_token(config: PretrainedConfig, seq_len: int, trained: int | None 
             + attention)
 
 
+def lora_flops_per_token(config: PretrainedConfig, seq_len: int, lora: Any = None) -> int:
+    """``flops_per_token`` of a run with LoRA ``lora`` (a ``lit_fsdp.lora.LoraConfig`` or its dict; None: every weight
+    trained): its adapters and the base's matrices that get a weight gradient (``lit_fsdp.lora``), those on a
+    mixture's routed experts at the share a token uses (``routed_lora_weights``). An adapted expert tensor's
+    ``W + BA``, formed once a micro-batch and its gradient's way back to A and B, is not counted: not per token, and
+    0.2% of the FLOPs of configs/qwen3_30b_a3b_lora.yaml's step of 65,536 tokens, its recompute included."""
+    from lit_fsdp.lora import adapter_parameters, as_config, trained_matrices
+
+    lora = as_config(lora)
+    if lora is None:
+        return flops_per_token(config, seq_len)
+    return flops_per_token(config, seq_len, adapter_parameters(config, lora), trained_matrices(config, lora),
+                           *routed_lora_weights(config, lora))
+
+
+def routed_lora_weights(config: PretrainedConfig, lora: Any) -> tuple[int, int]:
+    """(the adapters LoRA ``lora`` puts on a mixture's routed expert tensors, those tensors' weights): LoRA's
+    ``target_parameters`` under ``mlp.experts``, of which a token uses ``k / E``; (0, 0) for a dense model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lit_fsdp import lora_parameters
+    from lit_fsdp.lora import as_config, target_parameter_paths
+
+    lora = as_config(lora)
+    if lora is None or config.model_type not in MIXTURES_OF_EXPERTS:
+        return 0, 0
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    paths = [path for path in target_parameter_paths(model, lora) if ".experts." in path]
+    adapters = 0
+    for path in paths:
+        a, b = lora_parameters.adapter_shapes(model.get_parameter(path), model.get_submodule(path.rpartition(".")[0]),
+                                              lora.rank)
+        adapters += a[0] * a[1] + b[0] * b[1]
+    return adapters, sum(model.get_parameter(path).numel() for path in paths)
+
+
 def recomputed_blocks(layers: int, checkpoint_every: int | Sequence[int]) -> list[int]:
     """The blocks recomputed: every ``checkpoint_every``-th (0: none) of ``layers``, or those it lists."""
     if isinstance(checkpoint_every, int):
@@ -218,18 +272,18 @@ def recompute_flops_per_token(config: PretrainedConfig, seq_len: int, checkpoint
     shape = matmul_shape(config)
     all_keys, blocks = shape.keys(seq_len), shape.each_block()
     recomputed = recomputed_blocks(shape.layers, checkpoint_every)
-    weights = sum(blocks[block][0] - (0 if whole_block else blocks[block][1]) for block in recomputed)
+    weights = sum(blocks[block].weights - (0 if whole_block else blocks[block].last) for block in recomputed)
     return 2 * weights + 4 * shape.attention_width * sum(all_keys[block] for block in recomputed)
 
 
 def block_matmul_flops_per_token(config: PretrainedConfig, checkpoint_every: int | Sequence[int] = 0,
                                  whole_block: bool = False, frozen: bool = False) -> int:
-    """FLOPs per token of the blocks' weight matrices alone (what ``--model.float8`` runs in float8): ``6n`` per weight
+    """FLOPs per token of the blocks' linear layers alone (what ``--model.float8`` runs in float8): ``6n`` per weight
     (``4n`` where the base is frozen: LoRA), and each recomputed block's forward again (``recomputed_blocks``; its
-    last matrix only where ``whole_block``, as in ``recompute_flops_per_token``). Attention's products and the head
-    are not in it."""
+    last matrix only where ``whole_block``, as in ``recompute_flops_per_token``). Attention's products, the head and a
+    mixture's router and fused experts (not linear layers: they stay in the compute dtype) are not in it."""
     shape = matmul_shape(config)
     blocks = shape.each_block()
-    again = sum(blocks[block][0] - (0 if whole_block else blocks[block][1])
+    again = sum(blocks[block].linear - (0 if whole_block else blocks[block].last)
                 for block in recomputed_blocks(shape.layers, checkpoint_every))
-    return (4 if frozen else 6) * shape.blocks_weights + 2 * again
+    return (4 if frozen else 6) * sum(block.linear for block in blocks) + 2 * again

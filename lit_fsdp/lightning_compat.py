@@ -42,8 +42,15 @@ def logged_step(trainer: Any) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
-__all__ = ["LIGHTNING_NEWEST_TESTED", "reopen_cut_epoch", "logged_step", "METADATA_FILENAME", "is_sharded_checkpoint", "default_process_group_backend",
-           "set_num_threads_if_needed", "optimizers_to_device", "RICH_AVAILABLE"]
+def stop_as_on_sigterm(trainer: Any) -> None:
+    """Stop fit as Lightning does after a SIGTERM: ``SIGTERMException`` where the current step ends (its loops then
+    call the callbacks' ``on_exception``), on this rank; every rank must call it at the same step."""
+    trainer._signal_connector.received_sigterm = True
+
+
+__all__ = ["LIGHTNING_NEWEST_TESTED", "reopen_cut_epoch", "logged_step", "stop_as_on_sigterm", "METADATA_FILENAME",
+           "is_sharded_checkpoint", "default_process_group_backend", "set_num_threads_if_needed", "optimizers_to_device",
+           "RICH_AVAILABLE"]
 
 
 def reopen_cut_epoch(checkpoint: dict[str, Any], trainer: Any) -> None:

@@ -139,6 +139,11 @@ class StrategyReport(ABC):
         """Semi-synchronous training's run figures, None for a strategy that synchronises every step."""
         return None
 
+    def whole_numels(self, module: torch.nn.Module) -> dict[int, int]:
+        """The size in the model, whole, of each of ``module``'s parameters, by ``id``: its ``numel()`` (a sharded
+        DTensor's is the whole one); a strategy whose parameters stay empty between uses (SlideFSDP's) says theirs."""
+        return {id(parameter): parameter.numel() for parameter in module.parameters()}
+
 
 class LightningStrategyReport(StrategyReport):
     """The report of a strategy that is not lit_fsdp's: its class name, the trainer's precision, nothing else."""

@@ -22,6 +22,11 @@ order SlideFSDP runs them:
   longer of the two, plus the staging rows of the last units to arrive, rewritten at the end of the backward.
 
 With gradient accumulation only the last micro-batch's backward overlaps the update.
+
+A mixture of experts is timed by what each resource does: the device computes the active parameters' FLOPs
+(``lit_fsdp.flops``: the k of E experts a token uses), while every expert's weights stream in and every parameter's
+update runs on the host, reached by a token or not (docs/offload.md#mixtures-of-experts): its copies and update are a
+model of all its parameters', its compute one of its active ones'.
 """
 
 from __future__ import annotations

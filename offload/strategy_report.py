@@ -33,6 +33,13 @@ class SlideReport:
         assert self.host is not None
         return self.host.parameter_count()
 
+    def whole_numels(self, module: torch.nn.Module) -> dict[int, int]:
+        """The host's layouts give the sizes: the module's parameters are empty while their block is not loaded."""
+        sizes = super().whole_numels(module)
+        if self.host is not None:
+            sizes.update({id(place.param): place.numel for layout in self.host.layouts for place in layout.places})
+        return sizes
+
     def host_buffer_bytes(self) -> dict[str, int]:
         """This rank's host bytes per buffer as allocated (``offload.host_memory`` names; a shared staging copy is
         counted by local rank 0; offloaded activations once the first step has made them)."""

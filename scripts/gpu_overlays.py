@@ -147,6 +147,26 @@ def float8(device: str) -> dict[str, Any]:
     return {}
 
 
+#: Mixtures of experts: Qwen3-30B-A3B's shape (preset qwen3-30b-a3b, random weights built on the host: nothing
+#: downloaded) on synthetic data of its vocabulary; on the CPU the tiny Qwen3-MoE (2 blocks of 8 experts, 2 a token)
+MOE_VOCABULARY = 151936
+SYNTHETIC = "lit_fsdp.data.synthetic.SyntheticDataModule"
+
+
+def moe(device: str, layers: int | None = None) -> dict[str, Any]:
+    """``as_shipped`` (the device, the host memory, float32 on the CPU) with a mixture of experts for the model, from
+    its preset (``pretrained_path`` unset) on synthetic data: qwen3-30b-a3b (``layers`` of its 48 blocks, when given)
+    at its vocabulary and 32 x 2048 tokens a step; on the CPU qwen3-moe-tiny at ``tiny``'s 2 x 64, the plain loss."""
+    if device == "cuda":
+        model = {"pretrained_path": None, "preset": "qwen3-30b-a3b",
+                 **({"config_overrides": {"num_hidden_layers": layers}} if layers else {})}
+        shape = {"vocab_size": MOE_VOCABULARY, "seq_len": 2048, "batch_size": 32}
+    else:
+        model = {"pretrained_path": None, "preset": "qwen3-moe-tiny", "loss_chunk_tokens": 0}
+        shape = tiny(2)["data"]["init_args"]
+    return merge(as_shipped(device), {"model": model, "data": {"class_path": SYNTHETIC, "init_args": shape}})
+
+
 #: The first window's steps: each path no GPU has run yet, once, on FIRST_BLOCKS of the 8B's blocks at 4 x 2048
 #: (llama-tiny's 2 on the CPU), each under a deadline of its own so that a defect costs its step, not the window.
 FIRST_BLOCKS = 2

@@ -18,8 +18,8 @@ from gpu_fit import (HOST_MEMORY_VARIABLE, ROOT, Record, command, fit, fit_argum
                      write_estimate, write_yaml)
 from gpu_overlays import (AUTO_PLAN, BF16_MASTER, DEVICE_SUMS, EAGER, FIRST_BLOCKS, HOST_BLOCKS, LORA, ACCUMULATED_DELAYED,
                           DELAYED, FORWARD, ROLLBACK, SPECULATIVE, SYNCHRONOUS, accelerator, as_shipped, eight_b_before,
-                          float8, merge, offload_strategy, one_b, onebit, onebit_callbacks, slide_fsdp_syncs, tiny,
-                          tuned)
+                          float8, merge, moe, offload_strategy, one_b, onebit, onebit_callbacks, slide_fsdp_syncs,
+                          tiny, tuned)
 from gpu_probe import probe
 
 #: A step that is a function: it runs in the step's process and writes what it measured into the record.
@@ -31,6 +31,10 @@ EIGHT_B = (QUICKSTART, "configs/llama_8b_offload.yaml")
 EIGHT_B_8K = (*EIGHT_B, "configs/llama_8b_offload_8k.yaml")
 QWEN_32B_LORA = (QUICKSTART, "configs/qwen_32b_lora.yaml")
 QWEN_14B_FULL = (QUICKSTART, "configs/qwen_14b_full.yaml")
+MOE_LORA = ("configs/qwen3_30b_a3b_lora.yaml",)  # complete on its own: no quickstart before it
+#: The largest MoE that trains every parameter on the H100 box by estimate: Qwen3-30B-A3B's block, 29 of its 48
+#: (docs/offload.md#mixtures-of-experts); moe_tokens measures 8 of them, quicker to build on the host
+MOE_FULL_BLOCKS = 29
 
 
 #: The CPU mode's fit runs by what they run (configs, overlay, steps, callbacks): a step whose CPU run equals an
@@ -298,6 +302,17 @@ def peers(record: Record, device: str, work: Path) -> None:
         record.put(rows=rows, table=table(rows).splitlines())
 
 
+def moe_full_largest(device: str) -> dict[str, Any]:
+    """``MOE_FULL_BLOCKS`` of Qwen3-30B-A3B's blocks, eager, every parameter trained, with the preflight counting on
+    the recorded box's host memory (configs/hardware/h100_128g.json's, as estimate did: 116.7 of the 118.0 GiB its
+    reserve leaves), not --host-memory-gb's 120 GiB, under which it is refused."""
+    from lit_fsdp.commands.tune.hardware import load
+
+    box = {"trainer": {"strategy": {"init_args": {"host_memory_gb": load(ROOT / "configs" / "hardware" /
+                                                                         "h100_128g.json").host_memory_gb}}}}
+    return merge(merge(moe(device, layers=MOE_FULL_BLOCKS), EAGER), box if device == "cuda" else {})
+
+
 # --- the table ---------------------------------------------------------------------------------------------------
 
 #: Every step, in the order ``--steps`` lists them; the default plan's come first.
@@ -410,6 +425,20 @@ STEPS: dict[str, Step] = {step.name: step for step in (
     Step("qwen_14b_full", Fit(QWEN_14B_FULL, as_shipped, steps=8, cpu_steps=3, offload=True), 420,
          records="configs/qwen_14b_full.yaml as shipped (bfloat16 master in the staging copy, random weights): "
                  "tokens/s, MFU, the CPU update, device peak, the lowest MemAvailable"),
+    Step("moe_30b_a3b_lora", Fit(MOE_LORA, moe, steps=6, cpu_steps=3, offload=True), 480,
+         records="configs/qwen3_30b_a3b_lora.yaml (LoRA on the attention and every expert's tensors, the frozen base "
+                 "in bfloat16 on the host) on Qwen3-30B-A3B's shape with random weights and synthetic data of its "
+                 "vocabulary, 32 x 2048: tokens/s, MFU by active parameters, device peak, the lowest MemAvailable, the "
+                 "experts' load"),
+    Step("moe_tokens", Fit(QWEN_14B_FULL, lambda device: merge(moe(device, layers=8), EAGER), steps=8, cpu_steps=3,
+                           offload=True), 240,
+         records="every parameter of Qwen3-30B-A3B's shape on 8 of its 48 blocks (5.6B parameters, 1.3B active) "
+                 "with configs/qwen_14b_full.yaml's settings, eager: tokens/s and MFU by active parameters against "
+                 "estimate's, the CPU update of all parameters"),
+    Step("moe_full_largest", Fit(QWEN_14B_FULL, moe_full_largest, steps=4, cpu_steps=3, offload=True), 360,
+         records="the largest MoE estimate fits on the box training every parameter: Qwen3-30B-A3B's shape on 29 of "
+                 "its 48 blocks (18.7B parameters), configs/qwen_14b_full.yaml's settings: whether it fits the host "
+                 "(the lowest MemAvailable beside estimate's 116.7 GiB), tokens/s, MFU by active parameters"),
 )}
 #: The default plan: the probe (its hardware.json is what every estimate uses), the 8B and the 1B as shipped. Their
 #: deadlines add up to PLAN_SECONDS at most, so the plan fits one device call; the other steps (the 8B's other update

@@ -158,6 +158,21 @@ class DieAtStep(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SignalGroupAtStep(pl.Callback):
+    """Global rank 0 sends ``signal`` (a name: SIGINT, SIGTERM) to its process group, as a terminal's Ctrl-C or a
+    scheduler would, at the end of optimizer step ``step``: the launcher and every rank it started receive it."""
+
+    def __init__(self, signal: str, step: int):
+        self.signal, self.step = signal, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import os
+        import signal
+
+        if trainer.global_rank == 0 and trainer.global_step == self.step:
+            os.killpg(os.getpgrp(), getattr(signal, self.signal))
+
+
 class FillDisk(pl.Callback):
     """Rank 0 fills the file system of ``path`` with a file there once training reaches optimizer step ``step``: a disk
     that had room at launch (the preflight's check) runs out during the run."""

@@ -83,7 +83,7 @@ def test_compare_runs_turns_a_sweep_into_tables_and_pngs(sweep, capsys):
     assert float(int8["tokens_per_s_mean"]) > 0 and float(int8["time_to_target_s_mean"]) > 0
     table = (out / "comparison.md").read_text()
     assert sum(line.startswith(("| none |", "| int8 |")) for line in table.splitlines()) == 2
-    assert "| int8 | 2 | 1 (1 failed: lit_fsdp: error:" in table and "| nosuch | 2 | 0 (1 failed:" in table
+    assert "| int8 | 2 | 6 | 1 (1 failed: lit_fsdp: error:" in table and "| nosuch | 2 | — | 0 (1 failed:" in table
     has_comm = any(row["comm_ratio_mean"] for row in rows.values())
     for name in ("loss_vs_step", "loss_vs_wall", "tokens_per_s", "ratio_vs_ppl") + (("comm_share",) if has_comm else ()):
         assert (out / f"{name}.png").read_bytes()[:8] == PNG, name
@@ -190,3 +190,45 @@ def test_compare_runs_is_a_command_and_keeps_two_runs_of_one_seed_apart(tmp_path
     with open(tmp_path / "out" / "comparison.csv") as file:
         row = next(csv.DictReader(file))
     assert row["runs"] == "2" and float(row["val_loss_mean"]) == 4.5, row
+
+
+def _history(name: str, steps: range, loss: float) -> list[dict]:
+    return [{"run_name": name, "step": step, "wall_s": float(step), "train_loss": loss - step / 100} for step in steps]
+
+
+def test_a_run_and_its_resume_are_one_run_and_a_run_of_another_length_is_no_seed_of_it(tmp_path):
+    """An interrupted run, its resume (``resumed_from``) and a stray 10-step run of the same seed, beside a run of
+    another seed: two 300-step seeds, and the 10-step run in a row of its own."""
+    interrupted = {**_run("none", 1234, steps=30, status="interrupted", error="stopped by a signal after step 30"),
+                   "run_name": "a", "history": _history("a", range(1, 31), 6.0)}
+    resumed = {**_run("none", 1234, steps=300, val_loss=4.0), "run_name": "b", "resumed_from": "a",
+               "history": _history("b", range(31, 301), 6.0)}
+    stray = {**_run("none", 1234, steps=10, val_loss=5.5), "run_name": "c", "history": _history("c", range(1, 11), 6.0)}
+    other_seed = {**_run("none", 7, steps=300, val_loss=4.2), "run_name": "d", "history": _history("d", range(1, 301), 6.1)}
+    rows = compare_runs.report([interrupted, resumed, stray, other_seed], "none", tmp_path)
+    by_steps = {row["steps"]: row for row in rows}
+    assert set(by_steps) == {10, 300}
+    full, short = by_steps[300], by_steps[10]
+    assert (full["runs"], full["failed"], short["runs"], short["failed"]) == (2, 0, 1, 0)
+    assert full["val_loss_mean"] == pytest.approx(4.1) and short["val_loss_mean"] == 5.5
+    joined = next(run for run in full["_runs"] if run["run_name"] == "b")
+    assert [h["step"] for h in joined["history"]] == list(range(1, 301))  # the interrupted part, then the resume's
+    assert all(a["wall_s"] < b["wall_s"] for a, b in zip(joined["history"], joined["history"][1:]))
+    table = (tmp_path / "comparison.md").read_text()
+    assert "a resumed as b: one run" in table and "| none | 2 | 300 | 2 |" in table and "| none | 2 | 10 | 1 |" in table
+
+
+def test_coinciding_loss_curves_stay_apart_by_line_style_and_marker(tmp_path, monkeypatch):
+    """Two groups whose curves are the same points (same seed, same steps): each drawn with its own line style and
+    marker, the markers on alternate points, so the one drawn last does not hide the other."""
+    records = [{**_run(method, 1, steps=20), "run_name": method, "history": _history(method, range(1, 21), 6.0)}
+               for method in ("none", "int8")]
+    compare_runs.label_methods(records)
+    rows = compare_runs.compare(records, "none")
+    drawn = []
+    monkeypatch.setattr(compare_runs, "_save", lambda figure, path: drawn.append(figure))
+    compare_runs.plot_losses(rows, "step", tmp_path / "loss_vs_step.png")
+    lines = drawn[0].axes[0].lines
+    assert len(lines) == 2 and lines[0].get_xydata().tolist() == lines[1].get_xydata().tolist()
+    assert lines[0].get_linestyle() != lines[1].get_linestyle() and lines[0].get_marker() != lines[1].get_marker()
+    assert lines[0].get_markevery() != lines[1].get_markevery()  # their markers on different points

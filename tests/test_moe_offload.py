@@ -13,22 +13,24 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lit_fsdp.commands.estimate import estimate_step, parse
-from lit_fsdp.commands.tune.hardware import detect
+from lit_fsdp.commands.tune.hardware import detect, load
 from lit_fsdp.commands.tune.memory import ModelShape
 from lit_fsdp.flops import flops_per_token, matmul_shape
 from lit_fsdp.presets import build_config
 from offload.activation_plan import ROUTING_INDEX_BYTES, block_activation_bytes
 from offload.cpu_adam import EMULATED_UPDATE_DELAY_VARIABLE
+from offload.host_memory import GIB
 from offload.transfers import EMULATED_DELAY_VARIABLE
 from tests.helpers import REPO, fit_arguments, read_metrics
 
 STEPS = 6  # auto decides at step 4
-CLIP = 0.05  # the tiny MoE's gradient norms run 0.7 to 0.8: clipping fires at every step
+CLIP = 0.05  # the tiny MoE's gradient norms run 0.7 to 1.0: clipping fires at every step
 MOE = ["--model.preset", "qwen3-moe-tiny", "--trainer.gradient_clip_val", str(CLIP)]
 SLIDE = ["--trainer.strategy.class_path", "offload.SlideFSDPStrategy", "--trainer.strategy.init_args.window", "1",
          "--trainer.strategy.init_args.activation_checkpointing", "1"]
 TWIN = REPO / "configs" / "qwen3_moe_lora_cpu.yaml"
-RESULTS = [{"class_path": "callbacks.OffloadStats", "init_args": {"warmup_steps": 0}}, {"class_path": "callbacks.Results"}]
+RESULTS = [{"class_path": "callbacks.OffloadStats", "init_args": {"warmup_steps": 0}},
+           {"class_path": "callbacks.Results"}]
 
 
 def update(name: str) -> list[str]:
@@ -58,7 +60,8 @@ def runs(tmp_path_factory) -> dict:
         patch.setenv(EMULATED_UPDATE_DELAY_VARIABLE, "5")
         run(fit_in_process, tmp, list(fits.values()), world=1)
     metrics = {name: read_metrics(max((tmp / name).glob("lightning_logs/version_*/metrics.csv"))) for name in fits}
-    return {**metrics, "auto_record": json.loads(next((tmp / "auto").rglob("results.jsonl")).read_text().splitlines()[-1])}
+    return {**metrics, "auto_arguments": fits["auto"][1:],
+            "auto_record": json.loads(next((tmp / "auto").rglob("results.jsonl")).read_text().splitlines()[-1])}
 
 
 def test_slidefsdp_streams_a_moe_and_takes_fsdp2s_steps(runs):
@@ -83,6 +86,16 @@ def test_auto_with_clipping_firing_at_every_step_takes_the_synchronous_steps(run
     assert auto["train/loss"] == synchronous["train/loss"] and auto["train/grad_norm"] == synchronous["train/grad_norm"]
     reason = runs["auto_record"]["offload_update_reason"]
     assert reason.startswith("by the step model with this run's rates over steps 2-4 (") and "clip rate 100%" in reason
+
+
+def test_the_moe_run_holds_and_moves_what_estimate_counts(runs):
+    """The auto run's host buffers as allocated and its bytes to and from the device per step, every expert's
+    included, are what ``estimate`` counts for its arguments."""
+    record, machine = runs["auto_record"], detect("cpu")
+    predicted = estimate_step(*parse(runs["auto_arguments"], machine), machine)
+    assert record["host_state_gb_per_node"] == record["host_estimate_gb_per_node"] > 0
+    assert record["offload_h2d_gb"] == pytest.approx(predicted["h2d_bytes"] / 1e9, rel=1e-6)
+    assert record["offload_d2h_gb"] == pytest.approx(predicted["d2h_bytes"] / 1e9, rel=1e-6)
 
 
 def test_the_cpu_twin_of_the_30b_a3b_lora_recipe_trains(runs):
@@ -122,3 +135,16 @@ def test_a_moe_blocks_activations_count_its_routed_copies_and_the_expert_width()
     assert saved == (8 * 2048 + 4 * 8 * 768 + 2 * 8 * 2048) * 2 + 8 * ROUTING_INDEX_BYTES + 128 * 4
     assert block_input == 2048 * 2 and shape.block_parameters > 128 * 3 * 2048 * 768
     assert matmul_shape(config).mlp_width == 8 * 768
+
+
+def test_the_30b_a3b_recipe_fits_the_recorded_h100_box_with_the_figures_docs_give():
+    """configs/qwen3_30b_a3b_lora.yaml on configs/hardware/h100_128g.json, the Hub name replaced by the preset's shape
+    (``--model.pretrained_path null``: nothing downloaded): the figures of docs/offload.md#mixtures-of-experts."""
+    h100 = load(REPO / "configs" / "hardware" / "h100_128g.json")
+    args = ["--config", str(REPO / "configs" / "qwen3_30b_a3b_lora.yaml"), "--model.pretrained_path", "null"]
+    figures = estimate_step(*parse(args, h100), h100)
+    assert figures["fits"] and figures["bound"] == "compute"
+    assert round(figures["parameters"] / 1e9, 2) == 31.17 and round(figures["trained_parameters"] / 1e6) == 643
+    assert round(figures["host_bytes"] / GIB, 2) == 76.63 and round(figures["device_peak_bytes"] / GIB, 2) == 31.81
+    assert round(figures["step_time_s"], 3) == 3.989 and round(figures["mfu"], 3) == 0.348
+    assert round(figures["tokens_per_step"] / figures["step_time_s"]) == 16430

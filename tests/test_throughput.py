@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from callbacks import throughput
 from callbacks.throughput import Throughput
 from lit_fsdp.device_peaks import peak_tflops
+from lit_fsdp.lora import adapter_parameters
 from lit_fsdp.flops import flops_per_token, matmul_shape, recompute_flops_per_token
 from lit_fsdp.parallelize import apply_activation_checkpointing, find_blocks
 from lit_fsdp.presets import build_config
@@ -140,11 +141,12 @@ def test_a_lora_run_counts_no_weight_gradients_for_its_frozen_base():
     config = CONFIGS["gpt2-tiny"]
     full = timed(Throughput(warmup_steps=0, peak_tflops=0.1), config)
     callback = Throughput(warmup_steps=0, peak_tflops=0.1)
-    callback.trained = 8192
+    callback.lora = {"rank": 4, "alpha": 8}
     lora = timed(callback, config)
     shape = matmul_shape(config)
     weights = shape.layers * shape.block_weights + shape.head_weights
-    assert full["flops_per_token"] - lora["flops_per_token"] == 2 * weights - 6 * 8192
+    adapters = adapter_parameters(config, callback.lora)
+    assert adapters > 0 and full["flops_per_token"] - lora["flops_per_token"] == 2 * weights - 6 * adapters
     assert lora["mfu"] < full["mfu"]
 
 

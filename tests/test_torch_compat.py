@@ -86,6 +86,11 @@ def test_lightnings_private_names_do_what_lit_fsdp_uses_them_for(tmp_path, monke
     lightning_compat.set_num_threads_if_needed(64)
     assert torch.get_num_threads() == threads and os.environ["OMP_NUM_THREADS"] == str(threads)
     assert bool(lightning_compat.RICH_AVAILABLE) in (True, False)
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    lightning_compat.stop_as_on_sigterm(trainer)
+    assert trainer.received_sigterm  # what Lightning's loops read to stop where a step ends
 
 
 def test_no_module_outside_the_compatibility_module_uses_a_private_lightning_api():

@@ -3,9 +3,10 @@
 Inputs are run folders, sweep folders or ``results.jsonl`` files: every ``results.jsonl`` under them is
 read (a run's loss curve from the sibling ``history.jsonl``, written by ``callbacks.Quality``), and a
 ``sweep.jsonl`` adds the runs that failed. With ``--wandb ENTITY/PROJECT`` the runs come from W&B instead
-(online only). Runs are grouped by compression method and world size; each figure is the mean ± sd
-across seeds, and its change against the baseline method at the same world size in %, paired by seed
-where both ran it. Runs made under several strategies (``sweep.py --strategies``) are labelled by
+(online only). A run and its resumes (``resumed_from`` in their records) are one run. Runs are grouped by
+compression method, world size and length in steps (runs of another length are not seeds of one another); each
+figure is the mean ± sd across seeds, and its change against the baseline method at the same world size and length
+in %, paired by seed where both ran it. Runs made under several strategies (``sweep.py --strategies``) are labelled by
 strategy too (``ddp``, ``fsdp2``, ``fsdp2 int8``, ...), so ``--baseline ddp`` compares with DDP. Writes
 ``OUT/comparison.md``, ``OUT/comparison.csv`` and ``loss_vs_step.png``, ``loss_vs_wall.png``,
 ``tokens_per_s.png``, ``comm_share.png``, ``ratio_vs_ppl.png``.
@@ -47,6 +48,9 @@ METRICS = {
 # Names the trainer logs under, for W&B runs whose summary lacks the results record.
 LOGGED = {"train/loss": "train_loss", "val/loss": "val_loss", "val/ppl": "val_ppl", "compress/ratio_vs_fp32": "compression_ratio"}
 FAILED_STATES = ("failed", "crashed", "killed")
+# The loss plots' line styles and (hollow) markers, one of each per group in turn.
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "v", "D", "x")
 
 
 def fail(message: str) -> NoReturn:
@@ -90,17 +94,23 @@ def load_local(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], list[str]]:
             continue
         # A run folder reused with the same seed appends a record per run: each is a run of its own (its run name
         # tells it apart, and picks its loss curve), said in a note rather than merged into one.
+        # A run its resume continues is not another run (join_resumes), nor is one of another length.
+        continued = {record.get("resumed_from") for record in lines}
         same: dict[tuple, list[str]] = {}
         for record in lines:
+            if record.get("run_name") in continued:
+                continue
             same.setdefault((record.get("compress_method"), json.dumps(record.get("compress_config"), sort_keys=True),
-                             record.get("world_size"), record.get("seed")), []).append(str(record.get("run_name")))
-        for (method, _, world, seed), names in same.items():
+                             record.get("world_size"), record.get("seed"), record.get("steps")),
+                            []).append(str(record.get("run_name")))
+        for (method, _, world, seed, _), names in same.items():
             if len(names) > 1:
                 notes.append(f"{path}: {len(names)} runs of {method} on {world} processes with seed {seed} "
                              f"({', '.join(names)}), each counted as a run")
         for record in lines:
             curve = [h for h in history if h.get("run_name") == record.get("run_name")]
-            # callbacks.Results writes status failed (with the error) for a run that stopped on an error or NaN
+            # callbacks.Results writes status failed (with the error) for a run that stopped on an error or NaN, and
+            # interrupted for one a signal stopped
             records.append({**record, "status": record.get("status") or "ok", "history": curve})
     for line in failed.values():
         records.append({
@@ -156,6 +166,35 @@ def load_wandb(project: str, timeout_s: float) -> list[dict[str, Any]]:
         fail(f"W&B could not list the runs of {project!r}: {first_line}; check ENTITY/PROJECT and `wandb login`")
 
 
+def join_resumes(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """A run and its resumes as one run (a record's ``resumed_from`` names the run whose checkpoint it started from):
+    the last part's record, with each part's loss curve up to the step the next part took over from, its wall time
+    following on; a note for each joined run."""
+    by_name = {record["run_name"]: record for record in records if record.get("run_name")}
+    continued = {record.get("resumed_from") for record in records} & by_name.keys()
+    joined, notes = [], []
+    for record in records:
+        if record.get("run_name") in continued:
+            continue  # its resume carries it on
+        parts = [record]
+        while by_name.get(parts[0].get("resumed_from")) is not None and by_name[parts[0]["resumed_from"]] not in parts:
+            parts.insert(0, by_name[parts[0]["resumed_from"]])
+        if len(parts) == 1:
+            joined.append(record)
+            continue
+        history: list[dict[str, Any]] = []
+        for part, following in zip(parts, [*parts[1:], None]):
+            taken_over = min((h["step"] for h in following["history"] if h.get("step") is not None), default=None) \
+                if following is not None else None
+            offset = max((h["wall_s"] for h in history if h.get("wall_s") is not None), default=0.0)
+            history += [{**h, "wall_s": h["wall_s"] + offset} if h.get("wall_s") is not None else h
+                        for h in part["history"] if taken_over is None or (h.get("step") or 0) < taken_over]
+        joined.append({**record, "history": history})
+        notes.append(f"{' resumed as '.join(str(part.get('run_name')) for part in parts)}: one run, counted once "
+                     f"with the last part's figures")
+    return joined, notes
+
+
 def label_methods(records: list[dict[str, Any]]) -> None:
     """Sets ``method``: the compression method, with the parameters that tell its configs apart when several ran,
     after the strategy when the runs used several (``ddp``, ``fsdp2``, ``fsdp2 int8``)."""
@@ -195,20 +234,35 @@ def change(runs: list[dict], base: list[dict], key: str) -> tuple[float | None, 
     return stats([100 * (x / b - 1) for x, b in pairs if b])
 
 
+def run_length(record: dict[str, Any], lengths: dict[tuple, set]) -> int | None:
+    """The steps a run is grouped by: its own where it finished, else (failed, interrupted) the one length its method's
+    finished runs at its world size have, None where they have several or none."""
+    if record["status"] == "ok":
+        return record.get("steps")
+    known = lengths.get((record["method"], record.get("world_size")), set())
+    return next(iter(known)) if len(known) == 1 else None
+
+
 def compare(records: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
-    """One row per (method, world size): runs, failures, and per metric mean, sd, count, change and its sd."""
+    """One row per (method, world size, steps): runs, failures, and per metric mean, sd, count, change and its sd."""
+    lengths: dict[tuple, set] = {}
+    for record in records:
+        if record["status"] == "ok":
+            lengths.setdefault((record["method"], record.get("world_size")), set()).add(record.get("steps"))
     groups: dict[tuple, list[dict]] = {}
     for record in records:
-        groups.setdefault((record["method"], record.get("world_size")), []).append(record)
+        groups.setdefault((record["method"], record.get("world_size"), run_length(record, lengths)), []).append(record)
     rows = []
-    order = sorted(groups, key=lambda group: (group[0] != baseline, group[0], group[1] or 0))  # baseline first
-    for method, world in order:
-        runs = groups[(method, world)]
+    # baseline first, then by method, world size and length
+    order = sorted(groups, key=lambda group: (group[0] != baseline, group[0], group[1] or 0, group[2] or 0))
+    for method, world, steps in order:
+        runs = groups[(method, world, steps)]
         ok = [r for r in runs if r["status"] == "ok"]
-        errors = [r["error"] for r in runs if r["status"] == "failed"]
-        base = [r for r in groups.get((baseline, world), []) if r["status"] == "ok"]
-        row: dict[str, Any] = {"method": method, "world_size": world, "runs": len(ok), "failed": len(errors),
-                               "error": errors[-1] if errors else None, "_runs": ok}
+        errors = [r["error"] for r in runs if r["status"] != "ok"]
+        base = [r for r in groups.get((baseline, world, steps), []) if r["status"] == "ok"]
+        row: dict[str, Any] = {"method": method, "world_size": world, "steps": steps, "runs": len(ok),
+                               "failed": len(errors), "error": errors[-1] if errors else None, "_runs": ok,
+                               "_lengths": len(lengths.get((method, world), ()))}
         for key in METRICS:
             values = [r[key] for r in ok if isinstance(r.get(key), (int, float))]
             row[f"{key}_mean"], row[f"{key}_sd"] = stats(values)
@@ -236,17 +290,19 @@ def _cell(row: dict[str, Any], key: str, baseline: str) -> str:
 def markdown(rows: list[dict[str, Any]], baseline: str, notes: list[str], plots: list[str]) -> str:
     lines = [
         "# Run comparison", "",
-        f"Mean ± sd across seeds; in brackets the change against `{baseline}` at the same world size in %, "
-        "paired by seed where both ran it (mean ± sd of the pairs). [k/n]: only k of the n runs have the figure.", "",
-        "| method | world | runs | " + " | ".join(METRICS.values()) + " |",
-        "|---|---|---|" + "---|" * len(METRICS),
+        f"Mean ± sd across seeds (a run and its resumes are one run); in brackets the change against `{baseline}` at "
+        "the same world size and steps in %, paired by seed where both ran it (mean ± sd of the pairs). [k/n]: only k "
+        "of the n runs have the figure.", "",
+        "| method | world | steps | runs | " + " | ".join(METRICS.values()) + " |",
+        "|---|---|---|---|" + "---|" * len(METRICS),
     ]
     for row in rows:
         runs = str(row["runs"])
         if row["failed"]:
             error = (row["error"] or "").replace("|", "/")[:120]
             runs += f" ({row['failed']} failed: {error})"
-        lines.append(f"| {row['method']} | {row['world_size']} | {runs} | "
+        steps = "—" if row["steps"] is None else row["steps"]
+        lines.append(f"| {row['method']} | {row['world_size']} | {steps} | {runs} | "
                      + " | ".join(_cell(row, key, baseline) for key in METRICS) + " |")
     if plots:
         lines += ["", *(f"![{name[:-4]}]({name})" for name in plots)]
@@ -256,7 +312,7 @@ def markdown(rows: list[dict[str, Any]], baseline: str, notes: list[str], plots:
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    columns = ["method", "world_size", "runs", "failed", "error"]
+    columns = ["method", "world_size", "steps", "runs", "failed", "error"]
     columns += [f"{key}_{part}" for key in METRICS for part in ("mean", "sd", "n", "change_pct", "change_sd")]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
@@ -265,7 +321,8 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def _name(row: dict[str, Any]) -> str:
-    return f"{row['method']} w{row['world_size']}"
+    """``int8 w2``; ``int8 w2 300 steps`` where the method ran several lengths at that world size."""
+    return f"{row['method']} w{row['world_size']}" + (f" {row['steps']} steps" if row["_lengths"] > 1 else "")
 
 
 def _save(figure: Any, path: Path) -> None:
@@ -280,12 +337,16 @@ def plot_losses(rows: list[dict[str, Any]], x: str, path: Path) -> str | None:
         return f"{path.name} not drawn: no history.jsonl lines (add callbacks.Quality to the runs)"
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for index, row in enumerate(rows):
-        color = f"C{index % 10}"
+        # A colour, line style and marker per group: curves that coincide (the same seed and steps) stay visible.
+        look = {"color": f"C{index % 10}", "linestyle": LINE_STYLES[index % len(LINE_STYLES)],
+                "marker": MARKERS[index % len(MARKERS)], "lw": 1.2, "ms": 5, "mfc": "none"}
         for number, run in enumerate(row["_runs"]):
-            for axis, key, style in ((axes[0], "train_loss", "-"), (axes[1], "val_loss", "o-")):
+            for axis, key in ((axes[0], "train_loss"), (axes[1], "val_loss")):
                 points = sorted((h[x], h[key]) for h in run["history"] if h.get(key) is not None and h.get(x) is not None)
-                if points:
-                    axis.plot(*zip(*points), style, color=color, lw=1, ms=3, label=_name(row) if number == 0 else None)
+                if points:  # markers on every k-th point, each group's from its own start: none lands on another's
+                    every = max(len(rows), len(points) // 12)
+                    axis.plot(*zip(*points), markevery=(index % every, every), label=_name(row) if number == 0 else None,
+                              **look)
     for axis, title in zip(axes, ("training loss", "validation loss")):
         xlabel = "optimizer step" if x == "step" else "wall time since training started (s)"
         axis.set(title=title, xlabel=xlabel, ylabel="loss")
@@ -328,9 +389,10 @@ def plot_ratio_vs_ppl(rows: list[dict[str, Any]], baseline: str, path: Path) -> 
 
 def report(records: list[dict[str, Any]], baseline: str, out: Path, notes: Iterable[str] = ()) -> list[dict[str, Any]]:
     """Writes the tables and plots for ``records`` into ``out``; returns the table's rows."""
+    records, joined = join_resumes(records)
     label_methods(records)
     rows = compare(records, baseline)
-    notes = list(notes)
+    notes = [*notes, *joined]
     if rows and not any(row["method"] == baseline for row in rows):
         methods = ", ".join(sorted({row["method"] for row in rows}))
         notes.append(f"no {baseline!r} runs: no changes computed; pass --baseline one of: {methods}")

@@ -34,9 +34,8 @@ import torch
 from lit_fsdp.checkpoints import checkpoint_size
 from lit_fsdp.commands.cli import LitFsdpCLI, run as parse_fit
 from lit_fsdp.commands.activation_estimate import planned_activations
-from lit_fsdp.flops import block_matmul_flops_per_token, flops_per_token, recompute_flops_per_token
+from lit_fsdp.flops import block_matmul_flops_per_token, lora_flops_per_token, recompute_flops_per_token
 from offload.activation_plan import describe as describe_plan
-from lit_fsdp.lora import adapter_parameters, trained_matrices
 from lit_fsdp.commands.help import plain
 from lit_fsdp.device_peaks import device_peaks, matmul_format
 from lit_fsdp.lifecycle import CausalLMStrategy
@@ -218,9 +217,7 @@ def estimate_step(trainer: RunTrainer, module: Any, data: Any, hardware: Hardwar
               "weights_and_gradients_in_flight": memory.working_set, "activations": memory.activations,
               "loss": memory.logits}
     tokens = trainer.accumulate_grad_batches * data.batch_size * data.seq_len  # per process per optimizer step
-    model_flops = tokens * flops_per_token(config, data.seq_len, adapter_parameters(config, lora) if lora else None,
-                                           trained_matrices(config, lora), model.routed_adapters,
-                                           model.routed_matrices)
+    model_flops = tokens * lora_flops_per_token(config, data.seq_len, lora)
     units: list[UnitSize] = []
     reserve = 0
     if candidate.strategy == "slide_fsdp":

@@ -67,6 +67,19 @@ class ResumableSampler(DistributedSampler):
         return iter(indices[self.start :])
 
 
+class PositionedLoader(DataLoader):
+    """The training DataLoader, which Lightning can tell resumes mid-epoch (it has ``state_dict``; without one Lightning
+    warns at every mid-epoch resume that the loader is not resumable). The position is the data module's
+    (``BlockDataModule.state_dict``), restored before the loader is built, whose sampler starts there: the loader
+    itself keeps nothing."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
 class BlockDataModule(pl.LightningDataModule):
     """Shared loaders and exact resume for block datasets; subclasses build ``train_set`` / ``val_set``.
 
@@ -115,7 +128,8 @@ class BlockDataModule(pl.LightningDataModule):
     def _accumulation(self) -> int:
         return 1 if self.trainer is None else self.trainer.accumulate_grad_batches
 
-    def _loader(self, dataset: Dataset, shuffle: bool, resume: tuple[int, int] | None) -> DataLoader:
+    def _loader(self, dataset: Dataset, shuffle: bool, resume: tuple[int, int] | None,
+                positioned: bool = False) -> DataLoader:
         world, rank = self._world()
         if len(dataset) < world * self.batch_size:
             raise ValueError(
@@ -126,7 +140,7 @@ class BlockDataModule(pl.LightningDataModule):
         if resume is not None:
             epoch, consumed = resume
             sampler.resume(epoch, consumed * self.batch_size)
-        return DataLoader(
+        return (PositionedLoader if positioned else DataLoader)(
             dataset,
             batch_size=self.batch_size,
             sampler=sampler,
@@ -140,7 +154,7 @@ class BlockDataModule(pl.LightningDataModule):
         return ResumableSampler(dataset, num_replicas=world, rank=rank, seed=self.seed, shuffle=shuffle)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True, resume=self._resume)
+        return self._loader(self.train_set, shuffle=True, resume=self._resume, positioned=True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False, resume=None)

@@ -98,13 +98,10 @@ class ModelShape:
     adapter_ranks: int = 0
     adapter_dropped: int = 0
     # a mixture of experts (0 without): the experts a token is routed to (k) and the router's logits (E), for a MoE
-    # block's activations (intermediate is then k x the expert's width); with LoRA on its expert tensors, the adapters
-    # on them and those tensors (of ``adapters``, and of the weights that get a weight gradient: lit_fsdp.flops), and
-    # the largest block's adapted expert tensors, whose effective weight W + BA each block keeps for its backward
+    # block's activations (intermediate is then k x the expert's width); with LoRA on its expert tensors, the largest
+    # block's adapted ones, whose effective weight W + BA each block keeps for its backward
     routed_copies: int = 0
     router_logits: int = 0
-    routed_adapters: int = 0
-    routed_matrices: int = 0
     block_adapted_experts: int = 0
 
     @classmethod
@@ -135,9 +132,6 @@ class ModelShape:
             adapters=trained, block_adapters=max(block_adapters), root_adapters=trained - sum(block_adapters),
             adapter_ranks=max(sum(m.lora_A.shape[0] for m in block) for block in modules),
             adapter_dropped=dropped, routed_copies=shape.routed_copies, router_logits=shape.router_logits,
-            routed_adapters=sum(p.numel() for name, p in network.named_parameters()
-                                if lora and p.requires_grad and ".experts." in name),
-            routed_matrices=sum(adapted_experts.values()),
             block_adapted_experts=max((sum(n for path, n in adapted_experts.items() if path.startswith(f"{name}."))
                                        for name, _ in blocks), default=0),
         )
