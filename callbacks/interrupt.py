@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -27,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from callbacks.run_summary import RESUME
 from lit_fsdp import checkpoints
 from lit_fsdp.lightning_compat import stop_as_on_sigterm
+from lit_fsdp.reporting import strategy_report
 
 
 class InterruptCheckpoint(Checkpoint):
@@ -85,7 +85,7 @@ class InterruptCheckpoint(Checkpoint):
                        f"{self.ckpt_path}")
         trainer.save_checkpoint(self.ckpt_path)
         self.step = trainer.global_step
-        if self.signal == requeue_signal(trainer) and trainer.is_global_zero:
+        if self.signal == strategy_report(trainer).requeue_signal() and trainer.is_global_zero:
             requeue_slurm_job()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -98,16 +98,8 @@ class InterruptCheckpoint(Checkpoint):
             trainer.strategy.remove_checkpoint(self.ckpt_path)
 
 
-def requeue_signal(trainer: pl.Trainer) -> int | None:
-    """The signal SLURM sends before a job's time limit where Lightning's SLURMEnvironment requeues (``auto_requeue``)."""
-    environment = getattr(trainer.strategy, "cluster_environment", None)
-    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
-        return environment.requeue_signal
-    return None
-
-
 def stop_signals(trainer: pl.Trainer) -> list[int]:
-    return [signal.SIGINT, signal.SIGTERM, *filter(None, [requeue_signal(trainer)])]
+    return [signal.SIGINT, signal.SIGTERM, *filter(None, [strategy_report(trainer).requeue_signal()])]
 
 
 def requeue_slurm_job() -> None:

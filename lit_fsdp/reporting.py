@@ -139,6 +139,16 @@ class StrategyReport(ABC):
         """Semi-synchronous training's run figures, None for a strategy that synchronises every step."""
         return None
 
+    def requeue_signal(self) -> int | None:
+        """The signal SLURM sends before a job's time limit where the strategy's cluster environment is Lightning's
+        SLURMEnvironment with ``auto_requeue`` (``callbacks.interrupt`` saves on it); None elsewhere."""
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        environment = getattr(self, "cluster_environment", None)
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            return environment.requeue_signal
+        return None
+
     def whole_numels(self, module: torch.nn.Module) -> dict[int, int]:
         """The size in the model, whole, of each of ``module``'s parameters, by ``id``: its ``numel()`` (a sharded
         DTensor's is the whole one); a strategy whose parameters stay empty between uses (SlideFSDP's) says theirs."""
@@ -151,6 +161,7 @@ class LightningStrategyReport(StrategyReport):
     def __init__(self, trainer: pl.Trainer):
         self.label = type(trainer.strategy).__name__
         self._precision = str(trainer.precision)  # "bf16-mixed", "16-mixed", "32-true", ...
+        self.cluster_environment = getattr(trainer.strategy, "cluster_environment", None)
 
     def compute_dtype(self) -> torch.dtype:
         if self._precision.startswith("bf16"):

@@ -129,7 +129,7 @@ class SemiSync:
             self._swap(self.outer_sync.swap_out_outer)
             with torch.no_grad():
                 targets = target_count(batch["labels"])
-                self._replica_loss += torch.stack([module._loss(batch).double() * targets, targets.double()])
+                self._replica_loss += torch.stack([module._loss(batch)[0].double() * targets, targets.double()])
             self._swap(self.outer_sync.swap_in_outer)
 
     def after_validation(self, trainer: pl.Trainer, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:

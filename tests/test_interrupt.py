@@ -124,9 +124,11 @@ def test_the_resume_ends_on_the_uninterrupted_runs_losses_without_lightnings_not
 def test_under_slurm_the_requeue_signal_stops_the_run_too_and_rank_0_requeues_the_job(monkeypatch):
     """With Lightning's SLURMEnvironment (``auto_requeue``), its requeue signal is a stop signal, and after the save the
     job (an array job's task by its own id) is requeued with ``scontrol requeue``."""
-    slurm = SimpleNamespace(strategy=SimpleNamespace(cluster_environment=SLURMEnvironment(auto_requeue=True)))
+    slurm = SimpleNamespace(strategy=SimpleNamespace(cluster_environment=SLURMEnvironment(auto_requeue=True)),
+                            precision="32-true")
     assert interrupt.stop_signals(slurm) == [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1]
-    no_requeue = SimpleNamespace(strategy=SimpleNamespace(cluster_environment=SLURMEnvironment(auto_requeue=False)))
+    no_requeue = SimpleNamespace(strategy=SimpleNamespace(cluster_environment=SLURMEnvironment(auto_requeue=False)),
+                                 precision="32-true")
     assert interrupt.stop_signals(no_requeue) == [signal.SIGINT, signal.SIGTERM]
     ran = []
     monkeypatch.setattr(interrupt.subprocess, "run", lambda command, **_: ran.append(command) or
