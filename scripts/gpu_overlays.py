@@ -167,6 +167,18 @@ def moe(device: str, layers: int | None = None) -> dict[str, Any]:
     return merge(as_shipped(device), {"model": model, "data": {"class_path": SYNTHETIC, "init_args": shape}})
 
 
+def fsdp2_moe(device: str) -> dict[str, Any]:
+    """configs/moe.yaml (FSDP2) on one device: on the GPU 2 of Qwen3-30B-A3B's blocks (1.9B parameters, every expert)
+    at its vocabulary, 4 x 2048 tokens, in bfloat16, the loss in chunks; on the CPU its tiny preset at 2 x 64."""
+    if device == "cuda":
+        overrides = {"model": {"preset": "qwen3-30b-a3b", "config_overrides": {"num_hidden_layers": 2},
+                               "loss_chunk_tokens": 4096},
+                     "data": {"init_args": {"vocab_size": MOE_VOCABULARY, "seq_len": 2048, "batch_size": 4}}}
+    else:
+        overrides = {"data": {"init_args": tiny(2)["data"]["init_args"]}}
+    return merge(overrides, {"trainer": accelerator(device)})
+
+
 #: The first window's steps: each path no GPU has run yet, once, on FIRST_BLOCKS of the 8B's blocks at 4 x 2048
 #: (llama-tiny's 2 on the CPU), each under a deadline of its own so that a defect costs its step, not the window.
 FIRST_BLOCKS = 2

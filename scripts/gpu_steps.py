@@ -18,7 +18,7 @@ from gpu_fit import (HOST_MEMORY_VARIABLE, ROOT, Record, command, fit, fit_argum
                      write_estimate, write_yaml)
 from gpu_overlays import (AUTO_PLAN, BF16_MASTER, DEVICE_SUMS, EAGER, FIRST_BLOCKS, HOST_BLOCKS, LORA, ACCUMULATED_DELAYED,
                           DELAYED, FORWARD, ROLLBACK, SPECULATIVE, SYNCHRONOUS, accelerator, as_shipped, eight_b_before,
-                          float8, merge, moe, offload_strategy, one_b, onebit, onebit_callbacks, slide_fsdp_syncs,
+                          float8, fsdp2_moe, merge, moe, offload_strategy, one_b, onebit, onebit_callbacks, slide_fsdp_syncs,
                           tiny, tuned)
 from gpu_probe import probe
 
@@ -425,6 +425,10 @@ STEPS: dict[str, Step] = {step.name: step for step in (
     Step("qwen_14b_full", Fit(QWEN_14B_FULL, as_shipped, steps=8, cpu_steps=3, offload=True), 420,
          records="configs/qwen_14b_full.yaml as shipped (bfloat16 master in the staging copy, random weights): "
                  "tokens/s, MFU, the CPU update, device peak, the lowest MemAvailable"),
+    Step("moe_fsdp2", Fit((QUICKSTART, "configs/moe.yaml"), fsdp2_moe, steps=4, cpu_steps=1, result_keys=("moe_",)),
+         90, records="a mixture of experts under FSDP2 on one GPU, the path's first run (configs/moe.yaml with 2 of "
+                     "Qwen3-30B-A3B's blocks, bfloat16): grouped_mm on CUDA, the router's loss and tokens per expert, "
+                     "tokens/s and MFU by active parameters"),
     Step("moe_30b_a3b_lora", Fit(MOE_LORA, moe, steps=6, cpu_steps=3, offload=True), 480,
          records="configs/qwen3_30b_a3b_lora.yaml (LoRA on the attention and every expert's tensors, the frozen base "
                  "in bfloat16 on the host) on Qwen3-30B-A3B's shape with random weights and synthetic data of its "
