@@ -152,11 +152,12 @@ class CausalLM(pl.LightningModule):
         experts, top_k = router.expert_count(config), router.experts_per_token(config)
         self.expert_load = router.ExpertLoad(experts, top_k) if experts and top_k else None
         if self.expert_load is not None:
+            from lit_fsdp.reporting import StrategyReport
+
             strategy = self._trainer.strategy if self._trainer is not None else None
-            dtype = getattr(strategy, "param_dtype", None)
             reason = experts_kernel.fallback(
                 self.model, getattr(strategy, "root_device", self.device), getattr(strategy, "compile_blocks", False),
-                strategy.resolve_dtype(dtype) if dtype is not None and hasattr(strategy, "resolve_dtype") else None)
+                strategy.compute_dtype() if isinstance(strategy, StrategyReport) else None)
             if reason:
                 rank_zero_warn(f"lit_fsdp: {reason}", category=UserWarning)
         if self.hparams.loss_chunk_tokens:
