@@ -33,9 +33,11 @@ PRELOAD = ["torch", "torch.distributed.fsdp", "lightning.pytorch", "transformers
 multiprocessing.set_forkserver_preload(PRELOAD)
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, out: str, args: tuple, environ: dict[str, str]) -> None:
-    os.environ.clear()  # the test's environment, not the forkserver's (started by an earlier test)
+def _worker(rank: int, world: int, port: int, fn: Callable, out: str, args: tuple, environ: dict[str, str],
+            cwd: str) -> None:
+    os.environ.clear()  # the test's environment and folder, not the forkserver's (started by an earlier test)
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.chdir(cwd)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -63,10 +65,11 @@ def fit_in_process(rank: int, world: int, runs: list[list[str]]) -> None:
         cli(arguments)
 
 
-def run(fn: Callable, tmp_path: Path, *args, world: int = 2, fresh: bool = False) -> list:
-    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results (must be picklable). ``fresh``:
-    each rank a new interpreter that has imported nothing yet (``spawn``), for a test of what happens at import."""
+def run(fn: Callable, tmp_path: Path, *args, world: int = 2, fresh: bool = False, cwd: Path | None = None) -> list:
+    """``fn(rank, world, *args)`` on ``world`` processes in ``cwd`` (default: the test's); returns the per-rank results
+    (must be picklable). ``fresh``: each rank a new interpreter that has imported nothing yet (``spawn``), for a test
+    of what happens at import."""
     out = str(tmp_path / "result")
-    mp.start_processes(_worker, args=(world, free_port(), fn, out, args, dict(os.environ)), nprocs=world, join=True,
-                       start_method="spawn" if fresh else "forkserver")
+    mp.start_processes(_worker, args=(world, free_port(), fn, out, args, dict(os.environ), str(cwd or Path.cwd())),
+                       nprocs=world, join=True, start_method="spawn" if fresh else "forkserver")
     return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world)]

@@ -24,7 +24,7 @@ from compress.config import CompressionConfig
 from lit_fsdp.model import CausalLM
 from lit_fsdp.strategy import FSDP2Strategy
 from lit_fsdp.commands.tune.memory import ModelShape
-from tests.distributed import free_port
+from tests.distributed import fit_in_process, free_port, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,11 +121,17 @@ def fit(
 ) -> dict[str, list[float]]:
     """A short fit logged to ``tmp``; returns each logged metric as a list over steps.
 
-    ``callbacks`` (``{"class_path": ..., "init_args": ...}`` dicts) replace the config's callbacks. With
-    ``nodes`` > 1 there are that many "nodes" of one process each on this machine (``devices`` is ignored).
+    ``callbacks`` (``{"class_path": ..., "init_args": ...}`` dicts) replace the config's callbacks. The ranks run the
+    CLI in processes forked from the preloaded forkserver (``tests.distributed.fit_in_process``), where a CLI process
+    per rank would import for about 9 s each; the launcher's own path is run by the tests that read its output
+    (``run_cli``). With ``nodes`` > 1 there are that many "nodes" of one CLI process each on this machine (``devices``
+    is ignored).
     """
     arguments = fit_arguments(tmp, *args, devices=devices, batch_size=batch_size, steps=steps, callbacks=callbacks)
-    run_cli(*arguments, cwd=tmp, nodes=nodes)
+    if nodes == 1:
+        run(fit_in_process, tmp, [arguments], world=devices, cwd=tmp)
+    else:
+        run_cli(*arguments, cwd=tmp, nodes=nodes)
     return read_metrics(max(tmp.glob("lightning_logs/version_*/metrics.csv")))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, cli_in_process
 
 SCRIPT = REPO / "scripts" / "bench_slow_link.py"
 sys.path.insert(0, str(SCRIPT.parent))  # the scripts import each other, as when run from their folder
@@ -142,7 +142,7 @@ def test_the_cli_accepts_the_rank_arguments(tmp_path):
     args = bench.build_parser().parse_args(["--methods", "topk"])
     callbacks = slow_link_runs.write_callbacks(tmp_path / "callbacks.json", args.warmup, args.steps, profiler=True)
     fit_args = slow_link_runs.fit_arguments(args, "topk", callbacks, tmp_path / "run")
-    printed = run_cli(*fit_args[2:], "--print_config", cwd=tmp_path).stdout
+    printed = cli_in_process(*fit_args[2:], "--print_config", cwd=tmp_path).stdout
     assert "sharding: NO_SHARD" in printed and "num_nodes: 2" in printed and "method: topk" in printed
     assert "warmup_steps: 5" in printed and "class_path: callbacks.CommProfiler" in printed
 

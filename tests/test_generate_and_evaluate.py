@@ -139,7 +139,7 @@ def synthetic_checkpoint(tmp_path: Path) -> Path:
         (["generate", "{run}", "--device", "cuda:0"], "this machine has no CUDA device"),
     ],
     ids=["missing", "not-a-checkpoint-folder", "not-a-checkpoint-file", "no-tokenizer", "malformed-json",
-         "missing-data", "hf-without-seq-len", "seq-len-too-long", "too-many-tokens", "top-p", "no-cuda"],
+         "missing-data", "hf-without-seq-len", "seq-len-too-long", "too-many-tokens", "top-p", "no-gpu"],
 )
 def test_bad_input_fails_with_one_line(run, tmp_path, capsys, command, message):
     if any(part.startswith("cuda") for part in command) and torch.cuda.is_available():

@@ -13,6 +13,7 @@ from offload.layout import UnitLayout
 from lit_fsdp.commands.estimate import estimate_step, parse
 from lit_fsdp.commands.tune.hardware import detect
 from offload.transfers import EMULATED_DELAY_VARIABLE
+from tests.distributed import fit_in_process, run
 from tests.helpers import (REPO, assert_export_gives_logits, checkpoint_every, digests, fit, fit_arguments, read_metrics,
                            record, run_cli)
 
@@ -117,10 +118,9 @@ def test_resume_at_step_4_of_8_continues_exactly_exports_and_fine_tunes_from_the
 def test_offload_config_records_every_measuring_callback_and_moves_the_bytes_estimate_predicts(tmp_path):
     configs = ["--config", str(REPO / "configs" / "quickstart.yaml"), "--config", str(REPO / "configs" / "offload.yaml"),
                "--data.batch_size", "2"]
-    run_cli(
+    run(fit_in_process, tmp_path, [[
         "fit", *configs, "--trainer.max_steps", "12", "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
-        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path,
-    )
+        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path)]], cwd=tmp_path)
     record_ = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
     hardware = detect("cpu")  # the configs train on the CPU, also where the test host has a GPU
     predicted = estimate_step(*parse(configs, hardware), hardware)  # `python -m lit_fsdp estimate` on the same configs
@@ -231,7 +231,6 @@ def test_a_delayed_update_warmed_up_for_every_step_takes_the_synchronous_steps_a
     warm-up), so a run warmed up for all its steps takes the synchronous update's steps, clipping included (the
     coefficient multiplies inside the update instead of the kept gradient: float32 rounding apart); without warm-up
     the second step still computes with the initial weights. One process, the three runs in one spawn."""
-    from tests.distributed import fit_in_process, run
 
     settings = [*common(1, 1, clip=True), *SLIDE]
     runs = {"synchronous": knobs(update="synchronous"), "warmed": knobs(update="delayed", delayed_update_warmup=STEPS),

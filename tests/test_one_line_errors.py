@@ -51,8 +51,8 @@ def test_fit_refuses_in_one_line_before_training(tmp_path, args, message):
     (tmp_path / "truncated" / "config.json").write_text('{"model_type": "gpt2", "n_')
     build_config("gpt2-tiny").save_pretrained(tmp_path / "whole")
     (tmp_path / "optimizer.yaml").write_text("optimizer:\n  class_path: torch.optim.Adam\n")
-    result = run_cli("fit", *FAST, "--trainer.devices", "1", "--trainer.max_steps", "1",
-                     "--trainer.default_root_dir", str(tmp_path / "run"), *args, cwd=tmp_path, check=False)
+    result = cli_in_process("fit", *FAST, "--trainer.devices", "1", "--trainer.max_steps", "1",
+                            "--trainer.default_root_dir", str(tmp_path / "run"), *args, cwd=tmp_path)
     assert result.returncode == 2 and message in one_error_line(result.stderr), result.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
 
@@ -66,7 +66,7 @@ def test_a_traceback_is_shown_with_lit_fsdp_traceback(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("command", ["test", "predict"])
 def test_test_and_predict_say_what_to_use_instead(tmp_path, command):
-    result = run_cli(command, "--config", str(QUICKSTART), cwd=tmp_path, check=False)
+    result = cli_in_process(command, "--config", str(QUICKSTART), cwd=tmp_path)
     line = one_error_line(result.stderr)
     assert result.returncode == 2 and f"'{command}' is not offered" in line
     assert all(alternative in line for alternative in ("validate", "evaluate", "generate")), line

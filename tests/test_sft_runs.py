@@ -60,7 +60,7 @@ def first_gradients(tmp: Path, base: Path, packing: bool, devices: int, batch_si
     fit(tmp, "--config", str(REPO / "configs" / "sft_full.yaml"), "--model.pretrained_path", str(base), *SHORT,
         "--data.packing", str(packing).lower(), "--trainer.accumulate_grad_batches", str(accumulate),
         "--trainer.limit_val_batches", "0", "--data.batch_size", str(batch_size), "--trainer.devices", str(devices),
-        "--trainer.max_steps", "1",
+        "--trainer.max_steps", "1", devices=devices,
         callbacks=[{"class_path": "tests.probes.RecordFirstGradients", "init_args": {"path": str(path)}}])
     return torch.load(path)
 

@@ -17,7 +17,7 @@ import yaml
 
 from lit_fsdp.commands.main import main
 from lit_fsdp.commands.tune.hardware import Hardware, load
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, cli_in_process, run_cli
 from tests.llm_stub import StubLLM
 
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
@@ -147,7 +147,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_trial(tmp_path, capsys, mon
 
 
 def test_hardware_prints_json_that_tune_reads_back(tmp_path):
-    printed = run_cli("hardware", cwd=tmp_path).stdout
+    printed = cli_in_process("hardware", cwd=tmp_path).stdout
     (tmp_path / "hardware.json").write_text(printed)
     detected = load(tmp_path / "hardware.json")
     assert isinstance(detected, Hardware) and detected.device_memory_gb > 0 and detected.host_cores >= 1
