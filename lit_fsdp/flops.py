@@ -55,12 +55,14 @@ from typing import Any, NamedTuple
 
 from transformers import PretrainedConfig
 
+from lit_fsdp.router import expert_count, experts_per_token
+
 #: Llama-like decoders: every field ``matmul_shape`` reads has the same name and meaning in their configs.
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")
 #: The dense families (tests/test_flops_architectures.py counts each with torch's flop counter).
 SUPPORTED = ("gpt2", *LLAMA_LIKE)
 #: Mixtures of experts with Llama-like attention and fused 3D experts (``mlp.experts.gate_up_proj``, ``down_proj``);
-#: ``config.num_experts`` and ``num_experts_per_tok`` name E and k in all four (Mixtral's through its attribute map)
+#: E and k read by ``lit_fsdp.router``'s ``expert_count`` and ``experts_per_token``, as the training loop reads them
 MIXTURES_OF_EXPERTS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # Their attention applies ``config.sliding_window`` to every layer (and ignores ``layer_types``); the others window
 # only the layers ``layer_types`` marks "sliding_attention" (transformers >= 4.53 sets it from the config).
@@ -144,7 +146,7 @@ def sparse_layers(config: PretrainedConfig) -> list[bool]:
 
 def _moe_shape(config: PretrainedConfig) -> MatmulShape:
     """A mixture of experts' blocks by the weights a token uses (the module docstring)."""
-    hidden, experts, k = config.hidden_size, config.num_experts, config.num_experts_per_tok
+    hidden, experts, k = config.hidden_size, expert_count(config), experts_per_token(config)
     attention, width = _attention(config)
     expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # Mixtral, OLMoE: one name
     shared = getattr(config, "shared_expert_intermediate_size", None) or 0  # Qwen2-MoE

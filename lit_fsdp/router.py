@@ -24,8 +24,9 @@ def experts_per_token(config: PretrainedConfig) -> int | None:
 
 
 def expert_count(config: PretrainedConfig) -> int | None:
-    """``E``, the experts of a MoE layer (``num_experts``, Mixtral's ``num_local_experts``); None for a dense model."""
-    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
+    """``E``, the experts of a MoE layer; None for a dense model. transformers maps Mixtral's ``num_local_experts`` to
+    ``num_experts`` (its attribute map); DeepSeek's configs name it ``n_routed_experts``."""
+    for field in ("num_experts", "n_routed_experts"):
         value = getattr(config, field, None)
         if isinstance(value, int) and value > 0:
             return value

@@ -121,6 +121,9 @@ def test_the_shipped_8b_offload_config_on_one_h100_is_exact_within_3_percent_of_
     assert synchronous["step_time_s"] > 1.15 * delayed["step_time_s"]
     # the device streams every block twice but the last (window 2) and the root once; no activations offloaded
     assert figures["h2d_bytes"] == pytest.approx(29.58e9, rel=1e-3) and figures["d2h_bytes"] == pytest.approx(16.06e9, rel=1e-3)
+    # the text estimate prints names the reserve beside the host it leaves
+    main(["--config", str(QUICKSTART), "--config", str(EIGHT_B), "--tune.hardware", str(H100)])
+    assert " of 125.87 GiB less a reserve of 7.87 GiB (host_reserve_gb) (" in capsys.readouterr().out
 
 
 def test_the_8k_config_ships_the_best_exact_schedule_within_half_a_percent_of_the_best_exact_micro_batching(capsys):
