@@ -8,16 +8,19 @@ Nothing here imports torch or the project at module level: a step's process puts
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -72,46 +75,67 @@ def command(name: str, argv: list[str], work: Path, record: Record) -> list[str]
     print("\n".join(lines[-200:]), flush=True)
     record.put(rc=returncode, result=lines[-1] if lines else "")
     if returncode != 0:
-        raise RuntimeError(f"{name}: {Path(argv[1]).name if argv[1] != '-m' else argv[2]} exited {done.returncode}")
+        raise RuntimeError(f"{name}: {Path(argv[1]).name if argv[1] != '-m' else argv[2]} exited {returncode}")
     return lines
 
 
-def run_here(argv: list[str], sink: Any) -> int:
-    """``python *argv`` (a script's path, or ``-m lit_fsdp ...``) in this process from the checkout, its output in
-    ``sink``: the libraries it imports are imported once (9 s a process on 2 cores). Its exit status as a process's;
-    the working directory, ``sys.argv``, the environment and torch's threads are put back after it."""
-    import contextlib
-    import runpy
-    import traceback
-
+@contextlib.contextmanager
+def as_a_process() -> Iterator[None]:
+    """Run a command in this process (the CPU mode) from the checkout, as a child would run, and put back after it
+    what the child's end would have left untouched: the working directory, ``sys.argv``, the environment (Lightning's
+    MASTER_PORT among it), torch's threads, and no process group (the port it holds)."""
     import torch
+    import torch.distributed as dist
 
     saved = (os.getcwd(), sys.argv, dict(os.environ), torch.get_num_threads())
     os.chdir(ROOT)
-    status = 0
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.chdir(saved[0])
+        sys.argv = saved[1]
+        os.environ.clear()
+        os.environ.update(saved[2])
+        torch.set_num_threads(saved[3])
+
+
+def exit_status(stop: SystemExit) -> int:
+    """The status a process would exit with on ``stop``: its int, 0 for None, 1 for a message."""
+    return stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+
+
+def lit_fsdp_here(argv: list[str]) -> int:
+    """``python -m lit_fsdp *argv`` in this process; its exit status, as the process's (a refusal exits 2)."""
+    from lit_fsdp.commands.main import main
+
+    sys.argv = ["lit_fsdp", *argv]
+    try:
+        main(argv)
+    except SystemExit as stop:
+        return exit_status(stop)
+    return 0
+
+
+def run_here(argv: list[str], sink: Any) -> int:
+    """``python *argv`` (a script's path, or ``-m lit_fsdp ...``) in this process (``as_a_process``), its output in
+    ``sink``: the libraries it imports are imported once (9 s a process on 2 cores). Its exit status as a process's;
+    what it raises is printed to ``sink`` as a process's traceback would be, with status 1."""
+    with as_a_process(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         try:
             if argv[0] == "-m":
-                from lit_fsdp.commands.main import main
-
-                sys.argv = ["lit_fsdp", *argv[2:]]
-                main(argv[2:])
-            else:
-                sys.argv = list(argv)
-                runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+                return lit_fsdp_here(argv[2:])
+            sys.argv = list(argv)
+            runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+            return 0
         except SystemExit as stop:
-            status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-        except Exception:  # the output keeps the traceback, as a process's would
+            return exit_status(stop)
+        except Exception:
             traceback.print_exc()
-            status = 1
+            return 1
         finally:
             sink.flush()
-            os.chdir(saved[0])
-            sys.argv = saved[1]
-            os.environ.clear()
-            os.environ.update(saved[2])
-            torch.set_num_threads(saved[3])
-    return status
 
 
 def write_yaml(path: Path, data: dict[str, Any]) -> Path:
@@ -271,10 +295,9 @@ def fit_in_child(argv: list[str], progress: Progress, min_free_gib: float) -> in
 
 
 def fit_here(argv: list[str], progress: Progress, min_free_gib: float) -> int:
-    """``python -m lit_fsdp *argv`` in this process (the CPU mode), looked at every 2 s from a thread and once at the
-    end (the watchdog only records: a tiny CPU run cannot exhaust the host); its exit status, as the process's."""
-    from lit_fsdp.commands.main import main
-
+    """``python -m lit_fsdp *argv`` in this process (the CPU mode, ``as_a_process``), looked at every 2 s from a thread
+    and once at the end (the watchdog only records: a tiny CPU run cannot exhaust the host); its exit status, as the
+    process's."""
     print("$ python -m lit_fsdp", " ".join(argv), flush=True)
     done = threading.Event()
 
@@ -284,24 +307,13 @@ def fit_here(argv: list[str], progress: Progress, min_free_gib: float) -> int:
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    import torch.distributed as dist
-
-    status, environ = 0, dict(os.environ)
-    try:
-        main(argv)
-    except SystemExit as stop:  # a refusal: one line on stderr, exit status 2
-        status = stop.code if isinstance(stop.code, int) else 1
-    finally:
-        done.set()
-        watcher.join()
-        progress.look(min_free_gib)
-        # as a process's end would: the next command starts without this fit's process group and variables (Lightning's
-        # MASTER_PORT among them, whose port the group holds)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
-    return status
+    with as_a_process():
+        try:
+            return lit_fsdp_here(argv)
+        finally:
+            done.set()
+            watcher.join()
+            progress.look(min_free_gib)
 
 
 def figures(run: dict[str, Any]) -> dict[str, Any]:

@@ -5,9 +5,11 @@ is declared."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,6 +170,22 @@ def test_the_update_rate_is_estimates_bytes_over_the_measured_time_and_a_figure_
     header, row = gpu_report.runs_table([{"step": "eight_b", "eight_b": {**run, "figures": figures}}]).splitlines()
     assert header.split()[:4] == ["run", "left", "out", "measured"]
     assert row.split() == ["eight_b", "2", "3", "3,254", "15.9%", "4,300", "52.3"] + ["n/a"] * 6
+
+
+def test_a_command_run_in_the_cpu_modes_process_fails_as_its_process_would_and_leaves_the_process_as_it_was(
+        tmp_path, monkeypatch):
+    """The CPU mode runs a script or ``-m lit_fsdp`` in the runner's process (``gpu_fit.run_here``): its exit status
+    and output are a process's, the step fails on a non-zero one, and the folder, arguments and environment are put
+    back."""
+    monkeypatch.setattr(gpu_fit, "IN_PROCESS", True)
+    record, before = gpu_fit.Record(tmp_path / "step.json"), (Path.cwd(), list(sys.argv), dict(os.environ))
+    assert gpu_fit.command("listing", [sys.executable, "-m", "lit_fsdp", "compressors"], tmp_path, record)[0].startswith("method")
+    with pytest.raises(RuntimeError, match=r"^refused: lit_fsdp exited 2$"):
+        gpu_fit.command("refused", [sys.executable, "-m", "lit_fsdp", "nope"], tmp_path, record)
+    assert record["rc"] == 2 and "unknown command 'nope'" in (tmp_path / "refused.txt").read_text()
+    with pytest.raises(RuntimeError, match=r"^script: bench_codecs.py exited 2$"):
+        gpu_fit.command("script", [sys.executable, "scripts/bench_codecs.py", "--bogus"], tmp_path, record)
+    assert (Path.cwd(), sys.argv, dict(os.environ)) == before
 
 
 def test_a_step_past_its_deadline_is_reported_with_what_it_recorded_and_the_next_one_runs(tmp_path):

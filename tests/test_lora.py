@@ -525,7 +525,8 @@ def test_the_adapter_export_is_peft_format_and_loads_in_peft_with_the_fine_tuned
     from safetensors.torch import load_file
 
     checkpoint = next((runs.root / "ckpt").glob(f"*-step={STEPS}.ckpt"))
-    assert cli_in_process("export", str(checkpoint), str(tmp_path / "adapter"), "--adapter_only", "true", cwd=tmp_path).returncode == 0
+    exported = cli_in_process("export", str(checkpoint), str(tmp_path / "adapter"), "--adapter_only", "true", cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr[-3000:]
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == RANK and config["lora_alpha"] == 32
     assert config["target_modules"] == ["c_attn", "c_proj", "c_fc"] and config["fan_in_fan_out"] is True
